@@ -1,0 +1,3 @@
+from shardshift.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The `shardshift` command line."""
