@@ -1,0 +1,97 @@
+"""`shardshift train`: train the GPT under a layout on N local processes (or under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardshift.layout import Layout
+from shardshift.runtime import in_worker, process_from_env
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a GPT under a dp x fsdp x tp x pp layout")
+    add_train_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: the layout's size)")
+    p.add_argument("--layout", default="dp=1", help="degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1)")
+    p.add_argument("--steps", type=int, default=50, help="train until this global step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
+    p.add_argument("--model", default="tiny", help="model size: test, tiny, small, medium, base")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all data ranks")
+    p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per data rank under pp (default 2*pp)")
+    p.add_argument("--data", default=None, help="text file to train on (default: the shipped Shakespeare corpus)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--save", default=None, help="checkpoint directory (DCP)")
+    p.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
+    p.add_argument("--resume", default=None, help="checkpoint directory to resume from, under any layout")
+    p.add_argument("--metrics", default=None, help="JSONL file: one object per step")
+    p.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+
+
+def config_from_args(args: argparse.Namespace):
+    """Build and validate the run's configuration; raises ValueError with what to change."""
+    from shardshift.train.config import OptimConfig, TrainConfig, model_config
+
+    optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, grad_clip=args.grad_clip)
+    return TrainConfig(
+        layout=Layout.parse(args.layout),
+        model=model_config(args.model),
+        model_name=args.model,
+        steps=args.steps,
+        seed=args.seed,
+        dtype=args.dtype,
+        global_batch=args.global_batch,
+        micro_batches=args.micro_batches,
+        optim=optim,
+        data=args.data,
+        save=args.save,
+        save_every=args.save_every,
+        resume=args.resume,
+        metrics=args.metrics,
+        log_every=args.log_every,
+    )
+
+
+def _check_before_launch(cfg, nproc: int) -> None:
+    from pathlib import Path
+
+    from shardshift.train import checkpoint
+
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc} must be >= 1")
+    cfg.layout.check_world(nproc)
+    if cfg.data is not None and not Path(cfg.data).is_file():
+        raise ValueError(f"--data {cfg.data}: no such file; give the path of a text file")
+    if cfg.resume:
+        path = checkpoint.resolve(cfg.resume)
+        checkpoint.check_compatible(path, cfg.model_name, cfg.model, cfg.global_batch, cfg.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+        if in_worker():
+            world = process_from_env().world_size
+            if args.nproc is not None and args.nproc != world:
+                raise ValueError(f"--nproc {args.nproc} differs from WORLD_SIZE={world} set by the launcher")
+        else:
+            nproc = args.nproc if args.nproc is not None else cfg.layout.world_size
+            _check_before_launch(cfg, nproc)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+    if in_worker():
+        from shardshift.train.run import worker_main
+
+        return worker_main(cfg, args.timeout)
+    from shardshift.launch import launch
+
+    return launch(nproc, args.argv)

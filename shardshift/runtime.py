@@ -1,0 +1,73 @@
+"""Joining the job's default process group, from the environment a launcher set.
+
+Two launchers are understood: ShardShift's own (``shardshift train --nproc N``), which sets
+``SHARDSHIFT_STORE`` to a file-store path, and ``torchrun``, which sets ``MASTER_ADDR`` and
+``MASTER_PORT``. Both set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. CUDA devices get NCCL; CPUs
+get gloo. Every collective of the group times out after `timeout_s`, so a lost peer fails a run
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+STORE_ENV = "SHARDSHIFT_STORE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Process:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def in_worker() -> bool:
+    """True when this process was started by a launcher as one rank of a job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def process_from_env() -> Process:
+    world_size = int(os.environ["WORLD_SIZE"])
+    return Process(
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    )
+
+
+def _quiet_known_warnings() -> None:
+    # FSDP2 warns when a module returns a view, in case the caller modifies it in place; the
+    # training loop never does (the loss is computed out of place).
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def init_distributed(timeout_s: float) -> Process:
+    proc = process_from_env()
+    _quiet_known_warnings()
+    # Share the cores among the local ranks instead of oversubscribing them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // proc.local_world_size))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if proc.device_type == "cuda":
+        torch.cuda.set_device(proc.local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    store_path = os.environ.get(STORE_ENV)
+    if store_path:
+        store = dist.FileStore(store_path, proc.world_size)
+        dist.init_process_group(backend, store=store, rank=proc.rank, world_size=proc.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return proc

@@ -1,0 +1,117 @@
+"""Typed configuration of a training run, validated before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from shardshift.layout import Layout
+from shardshift.train.model import PRESETS, ModelConfig
+from shardshift.train.parallelize import check_layout
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 10
+    weight_decay: float = 0.1  # applied to matrices (2-D and up) only
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup {self.warmup_steps} must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"--grad-clip {self.grad_clip} must be >= 0 (0 disables clipping)")
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine decay."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        low = self.lr * self.min_lr_ratio
+        return low + (self.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    layout: Layout
+    model: ModelConfig
+    model_name: str
+    steps: int  # train until this global step (a resumed run continues from its checkpoint's step)
+    seed: int = 0
+    dtype: str = "float32"
+    global_batch: int = 16  # sequences per optimizer step, summed over data-parallel ranks
+    micro_batches: int = 0  # per data rank, under pp; 0 means 2 * pp
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: str | None = None  # text file; None means the shipped corpus
+    save: str | None = None  # checkpoint directory
+    save_every: int = 0  # save every K steps (and at the end) when `save` is set; 0: only at the end
+    resume: str | None = None  # checkpoint directory (or one checkpoint in it) to resume from
+    metrics: str | None = None  # JSONL file that rank 0 appends one object per step to
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.steps < 1:
+            raise ValueError(f"--steps {self.steps} must be >= 1")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every {self.save_every} must be >= 0")
+        if self.save_every and not self.save:
+            raise ValueError("--save-every needs --save DIR")
+        if self.micro_batches < 0:
+            raise ValueError(f"--micro-batches {self.micro_batches} must be >= 1")
+        if self.micro_batches == 0:
+            object.__setattr__(self, "micro_batches", 2 * self.layout.pp if self.layout.pp > 1 else 1)
+        check_layout(self.layout, self.model)
+        self.check_batch(self.layout)
+
+    def check_batch(self, layout: Layout) -> None:
+        """The batch splits evenly among data ranks and, under pp, into micro-batches."""
+        d = layout.data_parallel
+        if self.global_batch % d:
+            nearest = [b for b in (d * (self.global_batch // d), d * (self.global_batch // d + 1)) if b]
+            raise ValueError(
+                f"--global-batch {self.global_batch} does not split among dp*fsdp={d} data ranks; "
+                f"choose a multiple of {d}, e.g. {' or '.join(map(str, nearest))}"
+            )
+        local = self.global_batch // d
+        if layout.pp > 1:
+            if local % self.micro_batches:
+                raise ValueError(
+                    f"the local batch of {local} sequences (global batch {self.global_batch} / {d} "
+                    f"data ranks) does not split into --micro-batches {self.micro_batches}; choose "
+                    f"micro-batches dividing {local}, or a global batch that is a multiple of "
+                    f"{d * self.micro_batches}"
+                )
+            if self.micro_batches < layout.pp:
+                raise ValueError(
+                    f"--micro-batches {self.micro_batches} is fewer than pp={layout.pp} stages; "
+                    f"1F1B needs at least one micro-batch per stage"
+                )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+
+def model_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,87 @@
+"""Byte-level tokens and a data stream whose batches do not depend on the layout.
+
+The text is cut into non-overlapping windows of ``seq_len + 1`` bytes. Epoch ``e`` visits the windows
+in the order of a permutation drawn from ``(seed, e)``; the stream is the concatenation of epochs. The
+global batch at position ``p`` (samples consumed so far) is stream items ``p .. p + B - 1``, and data
+rank ``r`` of ``D`` reads the contiguous slice ``r * B / D .. (r + 1) * B / D`` of it. So the global
+batch at step ``k`` is the same samples under every layout, and the position ``p`` is the whole of the
+data state (it is saved in checkpoints and carried across layout switches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import importlib.resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_CORPUS = "shakespeare.txt.gz"
+
+
+def encode(text: str) -> np.ndarray:
+    """Bytes of the UTF-8 encoding, as token ids 0..255."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def decode(tokens) -> str:
+    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def load_tokens(path: str | None) -> np.ndarray:
+    """Token ids of a text file, or of the shipped corpus when `path` is None."""
+    if path is None:
+        raw = importlib.resources.files("shardshift.data").joinpath(DEFAULT_CORPUS).read_bytes()
+        return np.frombuffer(gzip.decompress(raw), dtype=np.uint8)
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--data {path}: no such file; give the path of a text file")
+    raw = file.read_bytes()
+    if path.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, for the epoch cache
+class BatchStream:
+    """Global batches of ``global_batch`` windows; see the module docstring for the order."""
+
+    tokens: np.ndarray  # (n,) uint8
+    seq_len: int
+    global_batch: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.num_windows < self.global_batch:
+            raise ValueError(
+                f"the text has {len(self.tokens)} bytes: {self.num_windows} windows of "
+                f"seq_len+1={self.seq_len + 1} bytes, fewer than one global batch of "
+                f"{self.global_batch}; use a longer text, a shorter sequence or a smaller batch"
+            )
+
+    @property
+    def num_windows(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    @functools.lru_cache(maxsize=4)
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+
+    def window_ids(self, position: int, count: int) -> np.ndarray:
+        """Stream items ``position .. position + count - 1`` as window indices."""
+        items = np.arange(position, position + count)
+        epochs, within = np.divmod(items, self.num_windows)
+        return np.array([self._epoch_order(int(e))[i] for e, i in zip(epochs, within)], dtype=np.int64)
+
+    def batch(self, position: int, data_rank: int, data_parallel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (local_batch, seq_len) int64 of one data rank at stream `position`."""
+        local = self.global_batch // data_parallel
+        assert local * data_parallel == self.global_batch, (self.global_batch, data_parallel)
+        ids = self.window_ids(position + data_rank * local, local)
+        starts = ids * self.seq_len
+        rows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        rows_t = torch.from_numpy(rows)
+        return rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()

@@ -1,0 +1,148 @@
+"""Apply a layout to the GPT from outside, with PyTorch's own building blocks.
+
+The order is fixed (as in torchtitan): build the model on the meta device, keep only this rank's
+pipeline stage, apply tensor parallelism, then FSDP2 over the data-parallel axes, then allocate the
+local shards and fill them. No full tensor of the model is ever materialised on a rank beyond one
+parameter at a time during initialisation.
+
+- ``tp``: ``parallelize_module`` with the plan `TP_PLAN` on every block: the query/key/value and the
+  MLP's first projection are column-parallel (each rank holds ``n_head / tp`` heads, ``d_ff / tp``
+  hidden units), the attention output and the MLP's second projection are row-parallel (one
+  all-reduce each, forward and backward). Embeddings, norms and the head stay whole on every tp rank.
+- ``fsdp`` and ``dp``: ``fully_shard`` on every block, then on the stage root. With ``dp == 1`` the
+  mesh is 1-D (``fsdp``: plain FSDP); with ``dp > 1`` it is the 2-D ``(dp, fsdp)`` mesh, i.e. HSDP:
+  sharded over ``fsdp`` and replicated over ``dp`` (with ``fsdp == 1`` that is pure replication).
+- ``pp``: see `pipeline.py`; blocks are split into contiguous runs, as even as possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from shardshift.layout import AXES, Coord, Layout
+from shardshift.train.model import GPT, ModelConfig, init_value
+
+# Module (relative to a block) -> its tensor-parallel style.
+TP_PLAN = {
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
+    "attn.out": RowwiseParallel(),
+    "mlp.fc": ColwiseParallel(),
+    "mlp.proj": RowwiseParallel(),
+}
+
+
+def check_layout(layout: Layout, cfg: ModelConfig) -> None:
+    """Refuse a layout this model cannot take, saying which constraint failed and what would do."""
+    if layout.tp > 1:
+        for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
+            if size % layout.tp:
+                valid = [t for t in range(1, size + 1) if cfg.n_head % t == 0 and cfg.d_ff % t == 0]
+                raise ValueError(
+                    f"tp={layout.tp} does not divide {name}={size}; choose tp in {set(valid)}"
+                )
+    if layout.pp > cfg.n_layer:
+        raise ValueError(
+            f"pp={layout.pp} is larger than the number of layers n_layer={cfg.n_layer}; "
+            f"choose pp <= {cfg.n_layer}"
+        )
+
+
+def stage_blocks(n_layer: int, pp: int) -> list[range]:
+    """Block indices of each pipeline stage: contiguous, the first ``n_layer % pp`` stages one longer."""
+    base, extra = divmod(n_layer, pp)
+    out, start = [], 0
+    for stage in range(pp):
+        stop = start + base + (1 if stage < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """The mesh of a layout, as seen from one rank."""
+
+    layout: Layout
+    mesh: DeviceMesh  # 4-D, axes AXES
+    coord: Coord
+
+    @property
+    def device(self) -> torch.device:
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+    @property
+    def data_mesh(self) -> DeviceMesh | None:
+        """Mesh that FSDP2 shards and replicates over, or None when there is one data rank."""
+        if self.layout.dp > 1:
+            return self.mesh["dp", "fsdp"]
+        if self.layout.fsdp > 1:
+            return self.mesh["fsdp"]
+        return None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.layout.pp - 1
+
+
+def build_parallel(layout: Layout, rank: int, device_type: str) -> Parallel:
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
+    return Parallel(layout=layout, mesh=mesh, coord=layout.coord(rank))
+
+
+def build_stage_model(cfg: ModelConfig, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
+    """This rank's part of the model, parallelized, with its local shards initialised."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    keep = stage_blocks(cfg.n_layer, par.layout.pp)[par.coord.pp]
+    for index in list(model.blocks.keys()):
+        if int(index) not in keep:
+            del model.blocks[index]
+    if not par.is_first_stage:
+        model.tok_emb = model.pos_emb = None
+    if not par.is_last_stage:
+        model.ln_f = model.head = None
+    model.to(dtype)
+
+    if par.layout.tp > 1:
+        for block in model.blocks.values():
+            parallelize_module(block, par.mesh["tp"], TP_PLAN)
+    data_mesh = par.data_mesh
+    if data_mesh is not None:
+        # Under pp the stage runs several micro-batches per step: keep parameters gathered between
+        # forward and backward instead of gathering them twice per micro-batch.
+        reshard = par.layout.pp == 1
+        for block in model.blocks.values():
+            fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
+
+    model.to_empty(device=par.device)
+    init_local_shards(model, cfg, seed)
+    return model
+
+
+@torch.no_grad()
+def init_local_shards(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Fill every parameter's local shard with its slice of `init_value`, one parameter at a time."""
+    for fqn, param in model.named_parameters():
+        full = init_value(cfg, fqn, param.shape, param.dtype, seed)
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank slices its own copy; no communication.
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)

@@ -1,0 +1,79 @@
+"""One rank's whole run: join the group, build the trainer, resume, train, save, report."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from shardshift.runtime import init_distributed
+from shardshift.train import checkpoint
+from shardshift.train.config import TrainConfig
+from shardshift.train.trainer import StepResult, Trainer
+
+
+def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
+    if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.steps):
+        print(
+            f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
+            f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s",
+            flush=True,
+        )
+    if metrics is not None:
+        record = {
+            "step": result.step,
+            "loss": result.loss,
+            "layout": str(cfg.layout),
+            "step_time_s": result.step_time_s,
+            "tokens_per_s": result.tokens_per_s,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+        }
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+
+
+def run_training(cfg: TrainConfig, timeout_s: float) -> int:
+    proc = init_distributed(timeout_s)
+    try:
+        cfg.layout.check_world(proc.world_size)
+        trainer = Trainer(cfg, proc.rank, proc.device_type)
+        if cfg.resume:
+            path = checkpoint.resolve(cfg.resume)
+            checkpoint.load(trainer, path)
+            if proc.rank == 0:
+                print(f"resumed from {path} at step {trainer.progress.step} under {cfg.layout}", flush=True)
+        metrics = open(cfg.metrics, "a") if (cfg.metrics and proc.rank == 0) else None
+        if proc.rank == 0:
+            print(
+                f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
+                f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
+                flush=True,
+            )
+        try:
+            while trainer.progress.step < cfg.steps:
+                result = trainer.train_step()
+                if proc.rank == 0:
+                    _report(cfg, result, metrics)
+                step = trainer.progress.step
+                if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+                    path = checkpoint.save(trainer, cfg.save)
+                    if proc.rank == 0:
+                        print(f"saved {path}", flush=True)
+        finally:
+            if metrics is not None:
+                metrics.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
+    """Run one rank; a user error prints one line, anything else its traceback; both exit non-zero."""
+    try:
+        return run_training(cfg, timeout_s)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
+        return 2
