@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,15 +46,8 @@ def process_from_env() -> Process:
     )
 
 
-def _quiet_known_warnings() -> None:
-    # FSDP2 warns when a module returns a view, in case the caller modifies it in place; the
-    # training loop never does (the loss is computed out of place).
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
 def init_distributed(timeout_s: float) -> Process:
     proc = process_from_env()
-    _quiet_known_warnings()
     # Share the cores among the local ranks instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // proc.local_world_size))
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -18,7 +18,8 @@ def register(subparsers) -> None:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: the layout's size)")
     p.add_argument("--layout", default="dp=1", help="degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1)")
-    p.add_argument("--steps", type=int, default=50, help="train until this global step")
+    p.add_argument("--steps", type=int, default=50, help="length of training in steps (the LR schedule's horizon)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after this step (default: --steps); resume later with --resume")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
     p.add_argument("--model", default="tiny", help="model size: test, tiny, small, medium, base")
@@ -46,6 +47,7 @@ def config_from_args(args: argparse.Namespace):
         model=model_config(args.model),
         model_name=args.model,
         steps=args.steps,
+        stop_at=args.stop_at,
         seed=args.seed,
         dtype=args.dtype,
         global_batch=args.global_batch,

@@ -49,7 +49,8 @@ class TrainConfig:
     layout: Layout
     model: ModelConfig
     model_name: str
-    steps: int  # train until this global step (a resumed run continues from its checkpoint's step)
+    steps: int  # length of the run in optimizer steps: the LR schedule's horizon
+    stop_at: int = 0  # stop after this global step (0: at `steps`); a resumed run goes on from its step
     seed: int = 0
     dtype: str = "float32"
     global_batch: int = 16  # sequences per optimizer step, summed over data-parallel ranks
@@ -67,6 +68,10 @@ class TrainConfig:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be >= 1")
+        if self.stop_at == 0:
+            object.__setattr__(self, "stop_at", self.steps)
+        if not 1 <= self.stop_at <= self.steps:
+            raise ValueError(f"--stop-at {self.stop_at} must lie in [1, --steps {self.steps}]")
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0")
         if self.save_every and not self.save:

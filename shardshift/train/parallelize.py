@@ -18,6 +18,7 @@ parameter at a time during initialisation.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch import nn
@@ -126,6 +127,9 @@ def build_stage_model(cfg: ModelConfig, par: Parallel, dtype: torch.dtype, seed:
         # Under pp the stage runs several micro-batches per step: keep parameters gathered between
         # forward and backward instead of gathering them twice per micro-batch.
         reshard = par.layout.pp == 1
+        # FSDP2 warns when a module returns a view, in case the caller modifies it in place; the
+        # head's output is a view and the loss reads it out of place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         for block in model.blocks.values():
             fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)

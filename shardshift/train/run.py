@@ -14,7 +14,7 @@ from shardshift.train.trainer import StepResult, Trainer
 
 
 def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
-    if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.steps):
+    if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.stop_at):
         print(
             f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
             f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s",
@@ -52,12 +52,12 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
                 flush=True,
             )
         try:
-            while trainer.progress.step < cfg.steps:
+            while trainer.progress.step < cfg.stop_at:
                 result = trainer.train_step()
                 if proc.rank == 0:
                     _report(cfg, result, metrics)
                 step = trainer.progress.step
-                if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+                if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
                     path = checkpoint.save(trainer, cfg.save)
                     if proc.rank == 0:
                         print(f"saved {path}", flush=True)
