@@ -8,6 +8,7 @@ import importlib
 _BENCHES = (
     ("train", "shardshift.cli.bench_train"),
     ("collectives", "shardshift.cli.bench_collectives"),
+    ("packing", "shardshift.cli.bench_packing"),
 )
 
 

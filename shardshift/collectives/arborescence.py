@@ -65,17 +65,14 @@ def _edmonds(w: np.ndarray, root: int) -> np.ndarray:
     if not np.all(np.isfinite(best)):
         missing = np.flatnonzero(~np.isfinite(best)).tolist()
         raise ValueError(f"nodes {missing} cannot be reached from root {root}")
-    cycles = _cycles(parent)
-    if not cycles:
+    label, num_cycles = _cycle_labels(parent, root)
+    if num_cycles == 0:
         return parent
     # Contract every cycle to one node. Entering a cycle at v replaces v's cycle edge, so the price
     # of an edge into v is reduced by best[v]; subtracting best[v] for every column (not only
     # cycle members) shifts each single node's column by a constant, which changes nothing.
-    label = np.full(n, -1)
-    for k, cycle in enumerate(cycles):
-        label[cycle] = k
     singles = np.flatnonzero(label < 0)
-    label[singles] = np.arange(len(cycles), len(cycles) + len(singles))
+    label[singles] = np.arange(num_cycles, num_cycles + len(singles))
     adjusted = w - best[None, :]  # (n, n)
     order = np.argsort(label, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(label[order]) != 0])
@@ -93,13 +90,38 @@ def _edmonds(w: np.ndarray, root: int) -> np.ndarray:
     result = parent.copy()  # inside a cycle, keep the cycle edges
     singles_in = singles[from_group[singles] >= 0]
     result[singles_in] = entry_u[singles_in]
-    for k_cycle, cycle in enumerate(cycles):
-        if small_parent[k_cycle] < 0:
-            continue
-        v = cycle[int(np.argmin(entry_cost[cycle]))]
-        result[v] = entry_u[v]  # the edge that enters this cycle replaces v's cycle edge
+    in_cycle = np.flatnonzero(label < num_cycles)  # cycle members, grouped by label below
+    order_c = in_cycle[np.lexsort((entry_cost[in_cycle], label[in_cycle]))]
+    firsts = order_c[np.r_[True, np.diff(label[order_c]) != 0]]  # cheapest entry of each cycle
+    firsts = firsts[from_group[firsts] >= 0]
+    result[firsts] = entry_u[firsts]  # the edge entering a cycle replaces that node's cycle edge
     result[root] = -1
     return result
+
+
+def _cycle_labels(parent: np.ndarray, root: int) -> tuple[np.ndarray, int]:
+    """Label the cycles of v → parent[v] 0..k-1 (others -1), vectorised by pointer doubling."""
+    n = len(parent)
+    step = parent.copy()
+    step[root] = root
+    rounds = max(1, int(np.ceil(np.log2(n))) + 1)
+    far = step
+    for _ in range(rounds):  # far = step applied 2**rounds >= n times: every walk is on its cycle
+        far = far[far]
+    on_cycle = np.zeros(n, dtype=bool)
+    on_cycle[far] = True  # a cycle is closed under `step`, so all its nodes are hit
+    on_cycle[root] = False
+    if not on_cycle.any():
+        return np.full(n, -1), 0
+    smallest = np.where(on_cycle, np.arange(n), n)  # propagate the smallest id around each cycle
+    jump = step
+    for _ in range(rounds):
+        smallest = np.minimum(smallest, smallest[jump])
+        jump = jump[jump]
+    ids, label = np.unique(smallest[on_cycle], return_inverse=True)
+    labels = np.full(n, -1)
+    labels[on_cycle] = label
+    return labels, len(ids)
 
 
 def _cycles(parent: np.ndarray) -> list[list[int]]:

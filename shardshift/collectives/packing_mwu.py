@@ -16,8 +16,11 @@ worst-case round count of the analysis:
   feasible value   total pushed / max_e (load_e / c_e)      (the pushes scaled down to fit)
   upper bound      Σ_e c_e ℓ_e / length of the shortest column   (weak duality, any ℓ >= 0)
 
-The columns found are then re-weighted by one restricted LP solve (`restricted_value`), which
-can only raise the value (the scaled pushes are one of its feasible points).
+The columns found are re-weighted by a restricted LP solve (`restricted_value`), which can only
+raise the value (the scaled pushes are one of its feasible points) and in practice raises it a lot:
+on a 256-host fat tree the pushes of 200 rounds reach 0.94 of the optimum and their re-weighting
+0.99. So `multiplicative_weights` re-solves every `check_every` rounds and stops as soon as the
+re-weighted value is within `gap` of the best upper bound.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class MWURun:
     feasible: float  # value of the scaled pushes, normalised units
     upper: float  # best price bound seen, normalised units
     rounds: int
+    reweighted: LPResult | None  # the columns re-weighted by the restricted LP (when checking)
 
 
 def mwu_columns(
@@ -54,11 +58,14 @@ def mwu_columns(
     max_rounds: int = 5000,
     max_seconds: float = 25.0,
     target: float = np.inf,
+    check_every: int | None = None,
 ) -> MWURun:
-    """Run Garg–Könemann until feasible >= (1 - gap) × upper bound, `target`, or the limits.
+    """Run Garg–Könemann until a value >= (1 - gap) × upper bound is certified, or the limits.
 
     epsilon: step size (smaller: more accurate per round, slower to move).
     target: a value known to be an upper bound (e.g. from max-flow), normalised units.
+    check_every: re-weight the columns by a restricted LP every this many rounds and stop when
+    that value is close enough (None: judge by the scaled pushes only).
     """
     if not 0 < epsilon < 1 or not 0 <= gap < 1:
         raise ValueError(f"need 0 < epsilon < 1 and 0 <= gap < 1, got epsilon={epsilon}, gap={gap}")
@@ -69,7 +76,8 @@ def mwu_columns(
     pushed = feasible = 0.0
     upper = np.inf
     columns: dict[tuple, tuple[Bundle, int]] = {}  # first occurrence order
-    rounds = 0
+    reweighted: LPResult | None = None
+    reweighted_at = rounds = 0  # the round whose columns `reweighted` covers
     for rounds in range(1, max_rounds + 1):
         cheapest = problem.cheapest(length)
         if problem.concurrent:
@@ -92,18 +100,27 @@ def mwu_columns(
         length = length * (1 + epsilon * step * use / cap)
         length /= length.max()  # the oracle and the bound are scale-free; avoid overflow
         feasible = pushed / float(np.max(load / cap))
-        if (
-            feasible >= (1 - gap) * min(upper, target)
-            or time.perf_counter() - start > max_seconds
-        ):
+        goal = (1 - gap) * min(upper, target)
+        if feasible >= goal or time.perf_counter() - start > max_seconds:
             break
+        if check_every and rounds % check_every == 0:
+            reweighted, reweighted_at = _reweigh(problem, columns), rounds
+            if reweighted.value / problem.scale >= goal:
+                break
+    if check_every and reweighted_at != rounds:
+        reweighted = _reweigh(problem, columns)
     return MWURun(
         tuple(b for b, _ in columns.values()),
         tuple(f for _, f in columns.values()),
         feasible,
         upper,
         rounds,
+        reweighted,
     )
+
+
+def _reweigh(problem: PackingProblem, columns: dict) -> LPResult:
+    return restricted_value(problem, [b for b, _ in columns.values()], [f for _, f in columns.values()])
 
 
 def multiplicative_weights(
@@ -113,9 +130,9 @@ def multiplicative_weights(
     max_seconds: float = 25.0,
     target: float = np.inf,
 ) -> LPResult:
-    """Approximate the master LP: Garg–Könemann columns, re-weighted by one restricted LP."""
-    run = mwu_columns(problem, epsilon, gap, max_seconds=max_seconds, target=target)
-    reweighted = restricted_value(problem, list(run.bundles), list(run.families))
+    """Approximate the master LP: Garg–Könemann columns, re-weighted by restricted LPs."""
+    run = mwu_columns(problem, epsilon, gap, max_seconds=max_seconds, target=target, check_every=25)
+    reweighted = run.reweighted
     return LPResult(
         reweighted.bundles,
         reweighted.weights,

@@ -1,0 +1,161 @@
+"""`shardshift topo ...`: inspect topologies and pack trees on them (planning only, no processes).
+
+    shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce [--json]
+    shardshift topo pack --topology lab.yaml --op broadcast --root 2
+    shardshift topo show --preset fat-tree --hosts 16 --hosts-per-leaf 4 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from shardshift.collectives.ops import Collective
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("topo", help="topologies and tree packing")
+    sub = parser.add_subparsers(dest="topo", required=True)
+    pack = sub.add_parser("pack", help="pack spanning trees for a collective; print rate and bound")
+    add_topology_arguments(pack)
+    pack.add_argument("--op", required=True, choices=[op.value for op in Collective])
+    pack.add_argument("--root", type=int, default=0, help="root rank of broadcast / reduce (default 0)")
+    pack.add_argument("--method", choices=["lp", "mwu"], default="lp",
+                      help="lp: exact column generation; mwu: multiplicative weights (large topologies)")
+    pack.add_argument("--keep", type=float, default=0.995,
+                      help="cut trees while keeping >= this fraction of the solved rate (1: no cut)")
+    pack.add_argument("--max-trees", type=int, default=None, help="at most this many trees")
+    pack.add_argument("--json", action="store_true", help="print one JSON object")
+    pack.set_defaults(func=run_pack)
+    show = sub.add_parser("show", help="print a topology's links and point-to-point pair rates")
+    add_topology_arguments(show)
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(func=run_show)
+
+
+def add_topology_arguments(p: argparse.ArgumentParser) -> None:
+    """--preset/--topology and the preset parameters (shared with `bench`)."""
+    p.add_argument("--preset", default=None, help="dgx1v, ring, full or fat-tree")
+    p.add_argument("--topology", default=None, help="YAML topology file (docs/topology.md)")
+    p.add_argument("--gpus", default=None, help="dgx1v: GPU numbers, e.g. 0,1,2,3 (rank i = i-th GPU)")
+    p.add_argument("--no-pcie", action="store_true", help="dgx1v: NVLink only, no PCIe/QPI fallback")
+    p.add_argument("--ranks", type=int, default=None, help="ring, full: number of ranks")
+    p.add_argument("--hosts", type=int, default=None, help="fat-tree: number of hosts")
+    p.add_argument("--hosts-per-leaf", type=int, default=None, help="fat-tree: hosts under each leaf")
+    p.add_argument("--bandwidth", default=None,
+                   help="ring, full, fat-tree: link rate, e.g. '1 Gbit/s' or 25e9 (bytes/s)")
+
+
+def topology_from_args(args: argparse.Namespace):
+    """The topology named on the command line; ValueError says what is missing or wrong."""
+    from shardshift.collectives.presets import preset
+    from shardshift.collectives.topology_io import load_topology, parse_rate
+
+    if (args.preset is None) == (args.topology is None):
+        raise ValueError("give exactly one of --preset NAME or --topology FILE")
+    if args.topology is not None:
+        return load_topology(args.topology)
+    name = args.preset.replace("_", "-").lower()
+    params: dict = {}
+    if name == "dgx1v":
+        if args.gpus:
+            try:
+                params["gpus"] = [int(g) for g in args.gpus.split(",") if g.strip()]
+            except ValueError:
+                raise ValueError(f"--gpus {args.gpus!r}: give GPU numbers separated by commas, e.g. 0,1,2,3") from None
+        params["pcie"] = not args.no_pcie
+    elif name in ("ring", "full"):
+        if args.ranks is None:
+            raise ValueError(f"--preset {name} needs --ranks N")
+        params["n"] = args.ranks
+    elif name == "fat-tree":
+        if args.hosts is None:
+            raise ValueError("--preset fat-tree needs --hosts N")
+        params["hosts"] = args.hosts
+        if args.hosts_per_leaf is not None:
+            params["hosts_per_leaf"] = args.hosts_per_leaf
+    if args.bandwidth is not None:
+        if name not in ("ring", "full", "fat-tree"):
+            raise ValueError(f"--bandwidth applies to ring, full and fat-tree, not {name}")
+        params["host_bandwidth" if name == "fat-tree" else "bandwidth"] = parse_rate(args.bandwidth)
+    return preset(name, **params)
+
+
+def packing_summary(packing, link_unit: float | None) -> dict:
+    """The JSON object of `topo pack`: rates in GB/s (1e9 bytes/s) and link units."""
+    gb = 1e9
+    finite = math.isfinite(packing.bound)
+    out = {
+        "op": packing.op.value,
+        "topology": packing.topology_name,
+        "num_ranks": packing.num_ranks,
+        "method": packing.method,
+        "construction": packing.construction,
+        "rate_gbps": packing.rate / gb,
+        "bound_gbps": packing.bound / gb if finite else None,
+        "rate_over_bound": packing.rate / packing.bound if finite else None,
+        "num_trees": len(packing.trees),
+        "solve_seconds": packing.solve_seconds,
+        "candidates_gbps": {name: rate / gb for name, rate in packing.candidates},
+    }
+    if packing.root is not None:
+        out["root"] = packing.root
+    if link_unit:
+        out["link_unit_gbps"] = link_unit / gb
+        out["rate_units"] = packing.rate / link_unit
+        out["bound_units"] = packing.bound / link_unit if finite else None
+    out["trees"] = [
+        {"root": t.root, "direction": t.direction.value, "weight_gbps": t.weight / gb,
+         "edges": [list(e) for e in t.edges]}
+        for t in packing.trees
+    ]  # fmt: skip
+    return out
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from shardshift.collectives.packing import Method, PackOptions, describe, pack
+
+    try:
+        topology = topology_from_args(args)
+        options = PackOptions(method=Method(args.method), keep=args.keep, max_trees=args.max_trees)
+        packing = pack(topology, args.op, root=args.root, options=options)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(packing_summary(packing, topology.link_unit)))
+    else:
+        print(describe(packing, topology.link_unit))
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from shardshift.collectives.topology import pair_rates
+
+    try:
+        topology = topology_from_args(args)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+    rates = pair_rates(topology)
+    if args.json:
+        print(json.dumps({
+            "name": topology.name,
+            "num_ranks": topology.num_ranks,
+            "num_switches": topology.num_switches,
+            "names": list(topology.names),
+            "link_unit": topology.link_unit,
+            "links": [[l.src, l.dst, l.capacity, l.latency] for l in topology.links],
+            "pair_rates": [[u, v, r] for (u, v), r in sorted(rates.items())],
+        }))  # fmt: skip
+        return 0
+    print(topology.describe())
+    for link in topology.links:
+        a, b = topology.names[link.src], topology.names[link.dst]
+        print(f"  {a:>8} -> {b:<8} {link.capacity / 1e9:9.3f} GB/s  {link.latency * 1e6:7.2f} us")
+    print("point-to-point pair rates (GB/s):")
+    for (u, v), r in sorted(rates.items()):
+        print(f"  {u:>3} -> {v:<3} {r / 1e9:9.3f}")
+    return 0
