@@ -62,14 +62,11 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
-def _check_before_launch(cfg, nproc: int) -> None:
+def _check_before_launch(cfg) -> None:
     from pathlib import Path
 
     from shardshift.train import checkpoint
 
-    if nproc < 1:
-        raise ValueError(f"--nproc {nproc} must be >= 1")
-    cfg.layout.check_world(nproc)
     if cfg.data is not None and not Path(cfg.data).is_file():
         raise ValueError(f"--data {cfg.data}: no such file; give the path of a text file")
     if cfg.resume:
@@ -77,16 +74,27 @@ def _check_before_launch(cfg, nproc: int) -> None:
         checkpoint.check_compatible(path, cfg.model_name, cfg.model, cfg.global_batch, cfg.seed)
 
 
+def _world_size(args: argparse.Namespace, layout: Layout) -> int:
+    """Processes of the job: set by the launcher (torchrun or ours) in a worker, else --nproc."""
+    if in_worker():
+        world = process_from_env().world_size
+        if args.nproc is not None and args.nproc != world:
+            raise ValueError(f"--nproc {args.nproc} differs from WORLD_SIZE={world} set by the launcher")
+        return world
+    nproc = args.nproc if args.nproc is not None else layout.world_size
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc} must be >= 1")
+    return nproc
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        layout = Layout.parse(args.layout)
+        nproc = _world_size(args, layout)
+        layout.check_world(nproc)
         cfg = config_from_args(args)
-        if in_worker():
-            world = process_from_env().world_size
-            if args.nproc is not None and args.nproc != world:
-                raise ValueError(f"--nproc {args.nproc} differs from WORLD_SIZE={world} set by the launcher")
-        else:
-            nproc = args.nproc if args.nproc is not None else cfg.layout.world_size
-            _check_before_launch(cfg, nproc)
+        if not in_worker():
+            _check_before_launch(cfg)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2

@@ -46,9 +46,10 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     if layout.tp > 1:
         for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
             if size % layout.tp:
-                valid = [t for t in range(1, size + 1) if cfg.n_head % t == 0 and cfg.d_ff % t == 0]
+                valid = [t for t in range(1, cfg.n_head + 1) if cfg.n_head % t == 0 and cfg.d_ff % t == 0]
                 raise ValueError(
-                    f"tp={layout.tp} does not divide {name}={size}; choose tp in {set(valid)}"
+                    f"tp={layout.tp} does not divide {name}={size}; choose tp in "
+                    f"{{{', '.join(map(str, valid))}}}"
                 )
     if layout.pp > cfg.n_layer:
         raise ValueError(
