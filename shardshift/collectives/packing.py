@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from shardshift.collectives.bounds import allgather_bound, collective_bound, reducescatter_bound
@@ -86,6 +86,10 @@ def pack(
     if n < 2:
         raise ValueError(f"{topology.name} has {n} rank; a collective plan needs at least 2")
     bound = collective_bound(topology, op, root)  # also validates root
+    fewest = {Collective.ALLGATHER: n, Collective.REDUCESCATTER: n, Collective.ALLREDUCE: 2}.get(op, 1)
+    if options.max_trees is not None and options.max_trees < fewest:
+        raise ValueError(f"{op.value} on {n} ranks needs at least {fewest} trees; "
+                         f"give max_trees >= {fewest}")  # fmt: skip
     if op.rooted:
         check_reachable(topology, root, Direction.OUT if op is Collective.BROADCAST else Direction.IN)
     else:
@@ -110,10 +114,14 @@ def pack(
         candidates.append(("multiroot", sum(t.weight for t in trees) / 2, trees))
         ins = [Family(r, (Direction.IN,)) for r in range(n)]
         outs = [Family(r, (Direction.OUT,)) for r in range(n)]
-        rs = _trees(topology, _solve(topology, ins, True, options, reducescatter_bound(topology) / n))
-        ag = _trees(topology, _solve(topology, outs, True, options, allgather_bound(topology) / n))
+        # The forests are pruned by `keep` only: combined they take >= 2n trees, and the
+        # construction is left out when that exceeds max_trees.
+        halves = replace(options, max_trees=None)
+        rs = _trees(topology, _solve(topology, ins, True, halves, reducescatter_bound(topology) / n))
+        ag = _trees(topology, _solve(topology, outs, True, halves, allgather_bound(topology) / n))
         pairs = combine_pairs(rs, ag, n)
-        candidates.append(("rs+ag", sum(t.weight for t in pairs) / 2, pairs))
+        if options.max_trees is None or len(pairs) <= options.max_trees:
+            candidates.append(("rs+ag", sum(t.weight for t in pairs) / 2, pairs))
     name, rate, trees = max(candidates, key=lambda c: c[1])
     return Packing(
         op=op,

@@ -101,7 +101,8 @@ def prune(problem: PackingProblem, lp: LPResult, keep: float, max_trees: int | N
         return restricted_value(problem, [lp.bundles[j] for j in chosen], [lp.families[j] for j in chosen])
 
     target = keep * lp.value
-    lo, hi = 1, min(cap, len(order))
+    lo = len(problem.families) if problem.concurrent else 1  # every family needs a bundle
+    hi = max(lo, min(cap, len(order)))
     best = solve(hi)
     if best.value < target:  # the cap binds: report what fits
         return _with_bound(best, lp)

@@ -109,7 +109,7 @@ def topology_from_dict(data: Mapping) -> Topology:
     if "ranks" not in data or "links" not in data:
         raise ValueError("give 'ranks' (a count or a list of names) and 'links'")
     ranks = data["ranks"]
-    if isinstance(ranks, int) and not isinstance(ranks, bool):
+    if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1:
         rank_names = [str(r) for r in range(ranks)]
     elif isinstance(ranks, list) and ranks:
         rank_names = [str(r) for r in ranks]
