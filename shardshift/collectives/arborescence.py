@@ -147,14 +147,13 @@ def _edmonds_lists(w: list[list[float]], root: int) -> list[int]:
     """Chu–Liu/Edmonds on nested lists (diagonal and root column already inf)."""
     n = len(w)
     parent, best = [-1] * n, [0.0] * n
-    for v in range(n):
+    for v, column in enumerate(zip(*w)):  # column[u] = w[u][v]
         if v == root:
             continue
-        column = [w[u][v] for u in range(n)]
-        u = min(range(n), key=column.__getitem__)
-        if column[u] == math.inf:
+        low = min(column)
+        if low == math.inf:
             raise ValueError(f"node {v} cannot be reached from root {root}")
-        parent[v], best[v] = u, column[u]
+        parent[v], best[v] = column.index(low), low
     cycles = _cycles(np.asarray(parent)) if n > 1 else []
     if not cycles:
         return parent

@@ -24,7 +24,7 @@ What the trees mean, per op (a tree's `weight` is the rate, bytes/s, of the data
 Methods: `Method.LP` is exact (column generation, see packing_lp.py); `Method.MWU` is the
 multiplicative-weights approximation for large topologies (packing_mwu.py). Both end with a pass
 that keeps the fewest trees whose re-solved LP is >= `keep` × the value found (default 0.995), or
-at most `max_trees` trees.
+at most `max_trees` trees. `solve_seconds` counts this work, not the bound computations.
 
 Switches are not tree nodes: tree edges are rank→rank transfers routed over links and through
 switches (routing.py); `Tree.paths` gives each edge's physical path.
@@ -46,7 +46,7 @@ from shardshift.collectives.routing import check_reachable
 from shardshift.collectives.topology import Topology
 from shardshift.collectives.tree import Packing, Tree, combine_pairs
 
-__all__ = ["Method", "Packing", "Tree", "pack"]
+__all__ = ["Method", "PackOptions", "Packing", "Tree", "pack"]
 
 
 class Method(Enum):
@@ -91,10 +91,12 @@ def pack(
         raise ValueError(f"{op.value} on {n} ranks needs at least {fewest} trees; "
                          f"give max_trees >= {fewest}")  # fmt: skip
     if op.rooted:
-        check_reachable(topology, root, Direction.OUT if op is Collective.BROADCAST else Direction.IN)
+        check_reachable(topology, [root], Direction.OUT if op is Collective.BROADCAST else Direction.IN)
     else:
-        for r in range(n):  # every rank must reach every other
-            check_reachable(topology, r, Direction.OUT)
+        check_reachable(topology, range(n), Direction.OUT)  # every rank must reach every other
+    if op is Collective.ALLREDUCE:  # targets of the two forests of the rs+ag construction
+        forest_bounds = (reducescatter_bound(topology), allgather_bound(topology))
+    # solve_seconds counts the packing only: the bounds are computed independently, above.
     start = time.perf_counter()
     candidates: list[tuple[str, float, tuple[Tree, ...]]] = []
     if op is Collective.BROADCAST or op is Collective.REDUCE:
@@ -117,8 +119,8 @@ def pack(
         # The forests are pruned by `keep` only: combined they take >= 2n trees, and the
         # construction is left out when that exceeds max_trees.
         halves = replace(options, max_trees=None)
-        rs = _trees(topology, _solve(topology, ins, True, halves, reducescatter_bound(topology) / n))
-        ag = _trees(topology, _solve(topology, outs, True, halves, allgather_bound(topology) / n))
+        rs = _trees(topology, _solve(topology, ins, True, halves, forest_bounds[0] / n))
+        ag = _trees(topology, _solve(topology, outs, True, halves, forest_bounds[1] / n))
         pairs = combine_pairs(rs, ag, n)
         if options.max_trees is None or len(pairs) <= options.max_trees:
             candidates.append(("rs+ag", sum(t.weight for t in pairs) / 2, pairs))

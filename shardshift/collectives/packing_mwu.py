@@ -59,6 +59,8 @@ def mwu_columns(
     max_seconds: float = 25.0,
     target: float = np.inf,
     check_every: int | None = None,
+    min_progress: float | None = None,
+    push_all: bool = False,
 ) -> MWURun:
     """Run Garg–Könemann until a value >= (1 - gap) × upper bound is certified, or the limits.
 
@@ -66,6 +68,10 @@ def mwu_columns(
     target: a value known to be an upper bound (e.g. from max-flow), normalised units.
     check_every: re-weight the columns by a restricted LP every this many rounds and stop when
     that value is close enough (None: judge by the scaled pushes only).
+    min_progress: also stop when a re-weighting gains less than this (relative) over the last.
+    push_all: push every family's cheapest bundle each round, not only the cheapest overall (for
+    the packing problem this finds columns faster, which is all a warm start needs; it is no
+    longer Garg–Könemann's rule, but the bound and the feasible value stay valid).
     """
     if not 0 < epsilon < 1 or not 0 <= gap < 1:
         raise ValueError(f"need 0 < epsilon < 1 and 0 <= gap < 1, got epsilon={epsilon}, gap={gap}")
@@ -80,23 +86,23 @@ def mwu_columns(
     reweighted_at = rounds = 0  # the round whose columns `reweighted` covers
     for rounds in range(1, max_rounds + 1):
         cheapest = problem.cheapest(length)
-        if problem.concurrent:
+        costs = [c for _, c in cheapest]
+        # Weak duality holds for any lengths, whatever is pushed below.
+        upper = min(upper, float(cap @ length) / (sum(costs) if problem.concurrent else min(costs)))
+        if problem.concurrent or push_all:
             chosen = list(range(len(cheapest)))  # one bundle for every family
-            price = sum(c for _, c in cheapest)
         else:
-            best = int(np.argmin([c for _, c in cheapest]))
-            chosen, price = [best], cheapest[best][1]
+            chosen = [int(np.argmin(costs))]
         use = np.zeros_like(cap)
         for f in chosen:
             bundle = cheapest[f][0]
             columns.setdefault(bundle_key(bundle), (bundle, f))
             for tree in bundle:
                 np.add.at(use, tree.link_ids, tree.link_uses)
-        upper = min(upper, float(cap @ length) / price)
         used = use > 0
         step = float(np.min(cap[used] / use[used]))
         load += step * use
-        pushed += step
+        pushed += step if problem.concurrent else step * len(chosen)  # objective gained
         length = length * (1 + epsilon * step * use / cap)
         length /= length.max()  # the oracle and the bound are scale-free; avoid overflow
         feasible = pushed / float(np.max(load / cap))
@@ -104,8 +110,11 @@ def mwu_columns(
         if feasible >= goal or time.perf_counter() - start > max_seconds:
             break
         if check_every and rounds % check_every == 0:
+            last = reweighted.value if reweighted is not None else 0.0
             reweighted, reweighted_at = _reweigh(problem, columns), rounds
-            if reweighted.value / problem.scale >= goal:
+            if reweighted.value / problem.scale >= goal or (
+                min_progress is not None and reweighted.value < last * (1 + min_progress)
+            ):
                 break
     if check_every and reweighted_at != rounds:
         reweighted = _reweigh(problem, columns)

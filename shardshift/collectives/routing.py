@@ -138,25 +138,23 @@ def make_column(
     return TreeColumn(root, direction, tuple(edges), tuple(routes), link_ids, link_uses.astype(float))
 
 
-def check_reachable(topology: Topology, root: int, direction: Direction) -> None:
-    """Raise a ValueError naming the ranks a tree from/to `root` could not span."""
-    pricer = RoutePricer(topology)
-    cost = pricer.price(np.ones(len(topology.links))).cost
-    finite = np.isfinite(cost)
-    np.fill_diagonal(finite, True)
-    reach = finite if direction is Direction.OUT else finite.T
-    seen = {root}
-    frontier = [root]
-    while frontier:
-        u = frontier.pop()
-        for v in np.flatnonzero(reach[u]):
-            if int(v) not in seen:
-                seen.add(int(v))
-                frontier.append(int(v))
-    missing = sorted(set(range(topology.num_ranks)) - seen)
-    if missing:
-        what = f"be reached from rank {root}" if direction is Direction.OUT else f"reach rank {root}"
-        raise ValueError(
-            f"ranks {missing} cannot {what} in {topology.name} (over links and through switches); "
-            "add links or leave those ranks out"
-        )
+def check_reachable(topology: Topology, roots, direction: Direction) -> None:
+    """Raise a ValueError naming ranks that trees from (OUT) or to (IN) `roots` could not span."""
+    cost = RoutePricer(topology).price(np.ones(len(topology.links))).cost
+    edge = np.isfinite(cost)
+    if direction is Direction.IN:
+        edge = edge.T
+    for root in roots:
+        seen, frontier = {root}, [root]
+        while frontier:
+            for v in np.flatnonzero(edge[frontier.pop()]):
+                if int(v) not in seen:
+                    seen.add(int(v))
+                    frontier.append(int(v))
+        missing = sorted(set(range(topology.num_ranks)) - seen)
+        if missing:
+            what = f"be reached from rank {root}" if direction is Direction.OUT else f"reach rank {root}"
+            raise ValueError(
+                f"ranks {missing} cannot {what} in {topology.name} (over links and through "
+                "switches); add links or leave those ranks out"
+            )

@@ -10,6 +10,8 @@ The buffer
                                 in shard r = elements [r·m, (r+1)·m) (the executor copies it there).
   reducescatter                 a scratch copy of the *input* tensor, N = n·m elements, on every
                                 rank; afterwards rank r's output is shard r of it.
+  After a reduce, non-root buffers hold partial sums (and after a reduce-scatter, every shard but
+  a rank's own): run on a scratch copy where the caller's tensor must stay as it was.
   Chunk boundaries are exact fractions of N (`Chunk.start`, `Chunk.stop`); `element_ranges(s, N)`
   turns them into integer [begin, end) ranges, floor(fraction·N) for both ends, so the ranges
   partition [0, N) for any N, including odd N and N smaller than the number of chunks (some ranges
