@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: the layout's size)")
-    p.add_argument("--layout", default="dp=1", help="degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1)")
+    p.add_argument("--layout", default="fsdp=2,tp=2", help="degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1)")
     p.add_argument("--steps", type=int, default=50, help="length of training in steps (the LR schedule's horizon)")
     p.add_argument("--stop-at", type=int, default=0, help="stop after this step (default: --steps); resume later with --resume")
     p.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,9 @@ parameter at a time during initialisation.
   all-reduce each, forward and backward). Embeddings, norms and the head stay whole on every tp rank.
 - ``fsdp`` and ``dp``: ``fully_shard`` on every block, then on the stage root. With ``dp == 1`` the
   mesh is 1-D (``fsdp``: plain FSDP); with ``dp > 1`` it is the 2-D ``(dp, fsdp)`` mesh, i.e. HSDP:
-  sharded over ``fsdp`` and replicated over ``dp`` (with ``fsdp == 1`` that is pure replication).
+  sharded over ``fsdp`` and replicated over ``dp``. Pure replication (``dp > 1`` with ``fsdp`` and
+  ``tp`` both 1) is `DistributedDataParallel` instead (see `wrap_for_training`): its bucketed
+  all-reduce overlaps backward and is what FSDP2 with shards of one rank cannot match.
 - ``pp``: see `pipeline.py`; blocks are split into contiguous runs, as even as possible.
 """
 
@@ -22,6 +24,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -84,8 +87,15 @@ class Parallel:
         return torch.device(self.mesh.device_type)
 
     @property
+    def replicate_only(self) -> bool:
+        """Data parallelism is whole copies of plain tensors: DDP's case."""
+        return self.layout.dp > 1 and self.layout.fsdp == 1 and self.layout.tp == 1
+
+    @property
     def data_mesh(self) -> DeviceMesh | None:
-        """Mesh that FSDP2 shards and replicates over, or None when there is one data rank."""
+        """Mesh that FSDP2 shards and replicates over, or None when FSDP2 is not used."""
+        if self.replicate_only:
+            return None
         if self.layout.dp > 1:
             return self.mesh["dp", "fsdp"]
         if self.layout.fsdp > 1:
@@ -151,3 +161,14 @@ def init_local_shards(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(full)
+
+
+def wrap_for_training(model: nn.Module, par: Parallel) -> nn.Module:
+    """The module that runs forward and backward: a DDP wrapper under pure replication, else `model`.
+
+    The wrapper shares `model`'s parameters; state (checkpoints, switching) is always read from
+    `model` itself, whose parameter names are the same in every layout.
+    """
+    if not par.replicate_only:
+        return model
+    return DistributedDataParallel(model, process_group=par.mesh["dp"].get_group())

@@ -13,7 +13,7 @@ from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.model import loss_fn
 from shardshift.train.optim import build_optimizer, clip_grad_norm
-from shardshift.train.parallelize import build_parallel, build_stage_model
+from shardshift.train.parallelize import build_parallel, build_stage_model, wrap_for_training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.par = build_parallel(cfg.layout, rank, device_type)
         self.model = build_stage_model(cfg.model, self.par, cfg.torch_dtype, cfg.seed)
+        self.module = wrap_for_training(self.model, self.par)  # what runs forward and backward
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.stream = BatchStream(
             load_tokens(cfg.data) if tokens is None else tokens,
@@ -58,7 +59,7 @@ class Trainer:
 
     def _build_schedule(self) -> Schedule1F1B:
         stage = PipelineStage(
-            self.model,
+            self.module,
             stage_index=self.par.coord.pp,
             num_stages=self.cfg.layout.pp,
             device=self.par.device,
@@ -71,7 +72,7 @@ class Trainer:
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Local mean loss on the last stage (None elsewhere); gradients left in `.grad`."""
         if self.schedule is None:
-            loss = loss_fn(self.model(inputs), targets)
+            loss = loss_fn(self.module(inputs), targets)
             loss.backward()
             return loss.detach()
         if self.par.is_first_stage:
