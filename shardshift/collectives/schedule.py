@@ -105,8 +105,11 @@ class Schedule:
         n = self.num_ranks
         if n < 2:
             raise ValueError(f"num_ranks={n}: a schedule needs at least 2 ranks")
-        if self.op.rooted != (self.root is not None) or (self.root is not None and not 0 <= self.root < n):
-            raise ValueError(f"{self.op.value}: root {self.root!r} must be a rank exactly when the op is rooted")
+        has_root = self.root is not None
+        if self.op.rooted != has_root or (has_root and not 0 <= self.root < n):
+            raise ValueError(
+                f"{self.op.value}: root {self.root!r} must be a rank exactly when the op is rooted"
+            )
         if not self.chunks:
             raise ValueError("a schedule needs at least one chunk")
         edge = Fraction(0)
@@ -114,14 +117,16 @@ class Schedule:
             if c.index != i or c.start != edge or c.stop < c.start or not 0 <= c.root < n:
                 raise ValueError(f"chunk {i} ({c.start}..{c.stop}, root {c.root}) breaks the "
                                  f"partition of [0, 1); chunk {i} must start at {edge}")  # fmt: skip
-            if self.op.sharded and not (Fraction(c.root, n) <= c.start and c.stop <= Fraction(c.root + 1, n)):
+            inside = Fraction(c.root, n) <= c.start and c.stop <= Fraction(c.root + 1, n)
+            if self.op.sharded and not inside:
                 raise ValueError(f"chunk {i} lies outside shard {c.root} of {n}")
             edge = c.stop
         if edge != 1:
             raise ValueError(f"chunks cover [0, {edge}); they must cover the whole buffer [0, 1)")
         previous = (-1, -1, -1, -1)
         for t in self.transfers:
-            if not (0 <= t.src < n and 0 <= t.dst < n and t.src != t.dst and 0 <= t.chunk < len(self.chunks)):
+            ranks_ok = 0 <= t.src < n and 0 <= t.dst < n and t.src != t.dst
+            if not (ranks_ok and 0 <= t.chunk < len(self.chunks)):
                 raise ValueError(f"transfer {t} names a rank outside 0..{n - 1} or a missing chunk")
             if t.step < 0 or t.order_key < previous or not isinstance(t.kind, TransferKind):
                 raise ValueError(f"transfer {t} is out of the global (step, src, dst, chunk) order")
@@ -139,9 +144,10 @@ class Schedule:
 
 def make_schedule(packing: Packing, num_chunks_per_tree: int = 8) -> Schedule:
     """Chunked, pipelined schedule for `packing` (see the module docstring for the contract)."""
-    if isinstance(num_chunks_per_tree, bool) or not isinstance(num_chunks_per_tree, int) or num_chunks_per_tree < 1:
+    k = num_chunks_per_tree
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_chunks_per_tree={num_chunks_per_tree!r}: give an int >= 1")
-    k, n, op = num_chunks_per_tree, packing.num_ranks, packing.op
+    n, op = packing.num_ranks, packing.op
     pieces = packing.pieces()
     # Regions: each shard for the sharded ops, the whole buffer otherwise; pieces in root order.
     order = sorted(range(len(pieces)), key=lambda p: (pieces[p].root if op.sharded else 0, p))
@@ -158,7 +164,8 @@ def make_schedule(packing: Packing, num_chunks_per_tree: int = 8) -> Schedule:
         start = lo
         for i, p in enumerate(members):
             cumulative += pieces[p].weight
-            share = Fraction(round(cumulative / total * _GRID), _GRID) if i < len(members) - 1 else Fraction(1)
+            last = i == len(members) - 1
+            share = Fraction(1) if last else Fraction(round(cumulative / total * _GRID), _GRID)
             stop = lo + width * share
             first_chunk[p] = len(chunks)
             for j in range(k):
@@ -184,12 +191,16 @@ def _piece_transfers(trees: list[Tree], chunk: int, j: int) -> list[Transfer]:
         if tree.direction is Direction.IN:
             # A rank of height h sends its partial sum at step j + h: all its children (height
             # <= h-1) delivered by step j + h - 1.
-            out += [Transfer(j + levels[a], a, b, chunk, TransferKind.REDUCE) for a, b in tree.edges]
+            out += [
+                Transfer(j + levels[a], a, b, chunk, TransferKind.REDUCE) for a, b in tree.edges
+            ]
             offset = j + levels[tree.root]  # the root holds the full sum after step j + h(root) - 1
         else:
             # The edge into a rank at depth d runs at step offset + d - 1: one step after its parent
             # received the chunk (the root holds it from the start, or from the IN tree).
-            out += [Transfer(offset + levels[b] - 1, a, b, chunk, TransferKind.COPY) for a, b in tree.edges]
+            out += [
+                Transfer(offset + levels[b] - 1, a, b, chunk, TransferKind.COPY) for a, b in tree.edges
+            ]
     return out
 
 
