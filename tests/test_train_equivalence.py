@@ -9,6 +9,8 @@ unevenly: 13 positions over fsdp=4 (4, 4, 4, 1), 5 layers over pp=4 (2, 1, 1, 1)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -79,3 +81,30 @@ def test_all_four_rank_layouts_match_one_process(reference):
                     msg=lambda m, n=name, r=rank: f"{text} rank {r} parameter {n}: {m}",
                 )
         assert seen == set(reference["params"]), f"{text}: parameters missing from every rank"
+
+
+def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    results = {}
+    for text, dtype in cases:
+        cfg = dataclasses.replace(_config(Layout.parse(text), steps=3), dtype=dtype)
+        trainer = Trainer(cfg, rank, "cpu")
+        results[(text, dtype)] = [trainer.train_step().loss for _ in range(3)]
+    return results
+
+
+# float32 sums reordered across 2 ranks differ by ~1e-7 relative per operation; bfloat16 autocast
+# rounds every matmul input to 8 bits of mantissa (~4e-3), so its losses agree only to ~1e-2.
+DTYPE_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+@pytest.mark.multiproc
+def test_float32_and_bfloat16_layouts_track_one_process():
+    cases = [(text, dtype) for dtype in DTYPE_RTOL for text in ("fsdp=2", "tp=2", "pp=2")]
+    single = run_distributed(1, _train_dtypes, [("dp=1", dtype) for dtype in DTYPE_RTOL])[0]
+    per_rank = run_distributed(2, _train_dtypes, cases)
+    for text, dtype in cases:
+        expected = torch.tensor(single[("dp=1", dtype)])
+        got = torch.tensor(per_rank[0][(text, dtype)])
+        torch.testing.assert_close(got, expected, rtol=DTYPE_RTOL[dtype], atol=0, msg=f"{text} {dtype}")
+    # bfloat16 really computes in bfloat16: its losses are not the float32 ones.
+    assert single[("dp=1", "bfloat16")] != single[("dp=1", "float32")]

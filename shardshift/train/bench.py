@@ -28,7 +28,7 @@ class PlainDDP:
     def __init__(self, cfg: TrainConfig, rank: int, device: torch.device, stream: BatchStream):
         self.cfg, self.rank, self.stream = cfg, rank, stream
         self.world = dist.get_world_size()
-        model = GPT(cfg.model).to(cfg.torch_dtype)
+        model = GPT(cfg.model).to(cfg.param_dtype)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(init_value(cfg.model, name, param.shape, param.dtype, cfg.seed))
@@ -39,8 +39,9 @@ class PlainDDP:
 
     def train_step(self) -> None:
         inputs, targets = self.stream.batch(self.position, self.rank, self.world)
-        loss = loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
-        loss.backward()
+        with self.cfg.autocast(self.device.type):
+            loss = loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
+            loss.backward()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()

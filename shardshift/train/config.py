@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -108,8 +109,16 @@ class TrainConfig:
                 )
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def param_dtype(self) -> torch.dtype:
+        """Dtype of parameters and optimizer state. Under ``bfloat16`` they stay float32 (master
+        weights) and the forward and backward compute in bfloat16 under autocast."""
+        return torch.float32 if self.dtype == "bfloat16" else DTYPES[self.dtype]
+
+    def autocast(self, device_type: str):
+        """The context the forward runs in: bfloat16 autocast, or nothing."""
+        if self.dtype == "bfloat16":
+            return torch.autocast(device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     @property
     def tokens_per_step(self) -> int:

@@ -45,7 +45,7 @@ class Trainer:
         self.rank = rank
         torch.manual_seed(cfg.seed)
         self.par = build_parallel(cfg.layout, rank, device_type)
-        self.model = build_stage_model(cfg.model, self.par, cfg.torch_dtype, cfg.seed)
+        self.model = build_stage_model(cfg.model, self.par, cfg.param_dtype, cfg.seed)
         self.module = wrap_for_training(self.model, self.par)  # what runs forward and backward
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.stream = BatchStream(
@@ -105,7 +105,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        local_loss = self._forward_backward(inputs, targets)
+        with cfg.autocast(self.par.device.type):
+            local_loss = self._forward_backward(inputs, targets)
         ranks_per_stage = layout.dp * layout.fsdp * layout.tp
         grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip, ranks_per_stage)
         self.optimizer.step()
