@@ -41,7 +41,7 @@ from shardshift.collectives.bounds import allgather_bound, collective_bound, red
 from shardshift.collectives.ops import Collective, Direction
 from shardshift.collectives.packing_lp import column_generation, prune
 from shardshift.collectives.packing_mwu import multiplicative_weights
-from shardshift.collectives.packing_problem import Family, LPResult, PackingProblem
+from shardshift.collectives.packing_problem import Bundle, Family, LPResult, PackingProblem
 from shardshift.collectives.routing import check_reachable
 from shardshift.collectives.topology import Topology
 from shardshift.collectives.tree import Packing, Tree, combine_pairs
@@ -112,16 +112,20 @@ def pack(
         candidates.append((op.value, n * min(_per_root(trees, n)), trees))
     else:
         both = [Family(r, (Direction.IN, Direction.OUT)) for r in range(n)]
-        trees = _trees(topology, _solve(topology, both, False, options, bound))
-        candidates.append(("multiroot", sum(t.weight for t in trees) / 2, trees))
         ins = [Family(r, (Direction.IN,)) for r in range(n)]
         outs = [Family(r, (Direction.OUT,)) for r in range(n)]
         # The forests are pruned by `keep` only: combined they take >= 2n trees, and the
         # construction is left out when that exceeds max_trees.
         halves = replace(options, max_trees=None)
-        rs = _trees(topology, _solve(topology, ins, True, halves, forest_bounds[0] / n))
-        ag = _trees(topology, _solve(topology, outs, True, halves, forest_bounds[1] / n))
-        pairs = combine_pairs(rs, ag, n)
+        rs = _solve(topology, ins, True, halves, forest_bounds[0] / n)
+        ag = _solve(topology, outs, True, halves, forest_bounds[1] / n)
+        # Every (reduce-scatter tree, all-gather tree) pair at a root is a column of the joint LP,
+        # and the rs+ag solution is a mix of them: starting there, the joint LP is never worse.
+        seeds = [((a[0], b[0]), fa) for a, fa in zip(rs.bundles, rs.families)
+                 for b, fb in zip(ag.bundles, ag.families) if fa == fb]  # fmt: skip
+        trees = _trees(topology, _solve(topology, both, False, options, bound, seeds))
+        candidates.append(("multiroot", sum(t.weight for t in trees) / 2, trees))
+        pairs = combine_pairs(_trees(topology, rs), _trees(topology, ag), n)
         if options.max_trees is None or len(pairs) <= options.max_trees:
             candidates.append(("rs+ag", sum(t.weight for t in pairs) / 2, pairs))
     name, rate, trees = max(candidates, key=lambda c: c[1])
@@ -141,12 +145,20 @@ def pack(
 
 
 def _solve(
-    topology: Topology, families: list[Family], concurrent: bool, options: PackOptions, target: float
+    topology: Topology,
+    families: list[Family],
+    concurrent: bool,
+    options: PackOptions,
+    target: float,
+    seeds: list[tuple[Bundle, int]] = (),
 ) -> LPResult:
-    """Solve one master problem; `target` (bytes/s) is its max-flow bound, which ends the search."""
+    """Solve one master problem; `target` (bytes/s) is its max-flow bound, which ends the search;
+    `seeds` are (bundle, family) columns to start from (LP method)."""
     problem = PackingProblem(topology, families, concurrent)
     if options.method is Method.LP:
-        result = column_generation(problem, options.tol, max_seconds=options.max_seconds, target=target)
+        result = column_generation(
+            problem, options.tol, max_seconds=options.max_seconds, target=target, seeds=seeds
+        )
     else:
         goal = target / problem.scale
         result = multiplicative_weights(problem, max_seconds=options.max_seconds, target=goal)

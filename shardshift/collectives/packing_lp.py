@@ -39,23 +39,30 @@ def column_generation(
     max_seconds: float = 60.0,
     target: float = np.inf,
     warm_rounds: int | None = None,
+    seeds: list[tuple[Bundle, int]] = (),
 ) -> LPResult:
     """Solve the master LP to within `tol` (relative) of optimal.
 
     target: an upper bound known independently (max-flow), bytes/s; reaching it ends the search.
     warm_rounds: at most this many multiplicative-weights rounds for the starting columns
     (default 3 per family, at least 30); they stop early when re-weighting them stops gaining.
+    seeds: (bundle, family) columns known to be good; when they meet `target` nothing else runs.
     """
     start = time.perf_counter()
     goal = target / problem.scale
+    if seeds:
+        seeded = restricted_value(problem, [b for b, _ in seeds], [f for _, f in seeds])
+        if seeded.value >= target * (1 - tol):
+            return LPResult(seeded.bundles, seeded.weights, seeded.families, seeded.value, target, 0)
     rounds = warm_rounds if warm_rounds is not None else max(30, 3 * len(problem.families))
     warm = mwu_columns(problem, epsilon=0.5, gap=tol, max_rounds=rounds, target=goal,
                        check_every=5, min_progress=1e-3, push_all=True)  # fmt: skip
     best = warm.reweighted
     if best.value >= target * (1 - tol):  # met the max-flow bound: optimal, nothing to add
         return LPResult(best.bundles, best.weights, best.families, best.value, target, 0)
-    bundles, fam = list(warm.bundles), list(warm.families)
-    seen = {bundle_key(b) for b in bundles}
+    unique = {bundle_key(b): (b, f) for b, f in list(seeds) + list(zip(warm.bundles, warm.families))}
+    bundles, fam = [b for b, _ in unique.values()], [f for _, f in unique.values()]
+    seen = set(unique)
     upper = min(warm.upper, goal)
     for iteration in range(1, max_iterations + 1):
         weights, value, prices, duals = problem.solve_master(bundles, fam)
