@@ -9,6 +9,9 @@ from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env
 
 
+DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a GPT under a dp x fsdp x tp x pp layout")
     add_train_arguments(p)
@@ -17,7 +20,9 @@ def register(subparsers) -> None:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: the layout's size)")
-    p.add_argument("--layout", default="fsdp=2,tp=2", help="degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1)")
+    p.add_argument("--layout", default=None,
+                   help=f"degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1); "
+                        f"default {DEFAULT_LAYOUT} on {DEFAULT_LAYOUT.world_size} processes, dp=N on --nproc N others")
     p.add_argument("--steps", type=int, default=50, help="length of training in steps (the LR schedule's horizon)")
     p.add_argument("--stop-at", type=int, default=0, help="stop after this step (default: --steps); resume later with --resume")
     p.add_argument("--seed", type=int, default=0)
@@ -37,13 +42,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, layout: Layout):
     """Build and validate the run's configuration; raises ValueError with what to change."""
     from shardshift.train.config import OptimConfig, TrainConfig, model_config
 
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, grad_clip=args.grad_clip)
     return TrainConfig(
-        layout=Layout.parse(args.layout),
+        layout=layout,
         model=model_config(args.model),
         model_name=args.model,
         steps=args.steps,
@@ -74,25 +79,33 @@ def _check_before_launch(cfg) -> None:
         checkpoint.check_compatible(path, cfg.model_name, cfg.model, cfg.global_batch, cfg.seed)
 
 
-def _world_size(args: argparse.Namespace, layout: Layout) -> int:
+def _world_size(args: argparse.Namespace) -> int | None:
     """Processes of the job: set by the launcher (torchrun or ours) in a worker, else --nproc."""
     if in_worker():
         world = process_from_env().world_size
         if args.nproc is not None and args.nproc != world:
             raise ValueError(f"--nproc {args.nproc} differs from WORLD_SIZE={world} set by the launcher")
         return world
-    nproc = args.nproc if args.nproc is not None else layout.world_size
-    if nproc < 1:
-        raise ValueError(f"--nproc {nproc} must be >= 1")
-    return nproc
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc} must be >= 1")
+    return args.nproc
+
+
+def _layout(args: argparse.Namespace, nproc: int | None) -> Layout:
+    if args.layout is not None:
+        return Layout.parse(args.layout)
+    if nproc is None or nproc == DEFAULT_LAYOUT.world_size:
+        return DEFAULT_LAYOUT
+    return Layout(dp=nproc)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        layout = Layout.parse(args.layout)
-        nproc = _world_size(args, layout)
+        nproc = _world_size(args)
+        layout = _layout(args, nproc)
+        nproc = layout.world_size if nproc is None else nproc
         layout.check_world(nproc)
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, layout)
         if not in_worker():
             _check_before_launch(cfg)
     except ValueError as err:
