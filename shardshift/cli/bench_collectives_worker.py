@@ -1,0 +1,187 @@
+"""One rank of `shardshift bench collectives` (started by bench_collectives.py, not by hand).
+
+    python -m shardshift.cli.bench_collectives_worker CONFIG.json
+
+Joins the group from RANK / WORLD_SIZE / SHARDSHIFT_STORE (emulate.init_process_group_from_env),
+then for every size runs each implementation (gloo's own collective, the ring, the packed trees)
+once to warm up (plans are built there, not in the timed calls), then `iters` rounds in which the
+implementations take turns in a rotating order, so drifts of a shared machine hit all alike.
+A timed call starts after a barrier; its time is the slowest rank's. Results are checked against
+values computed locally (inputs are small integers, so sums are exact in every dtype here) and
+rank 0 writes {"rows": [...], "info": {...}} to the config's `out` path.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardshift.collectives.emulate import init_process_group_from_env
+from shardshift.collectives.ops import Collective
+from shardshift.collectives.presets import full
+from shardshift.collectives.reduction import Reduction
+from shardshift.collectives.ring import ring_packing
+from shardshift.collectives.runner import RunOptions, TreeCollectives
+from shardshift.collectives.topology_spec import topology_from_plain
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}  # fmt: skip
+_TORCH_OPS = {Reduction.SUM: dist.ReduceOp.SUM, Reduction.PRODUCT: dist.ReduceOp.PRODUCT,
+              Reduction.MIN: dist.ReduceOp.MIN, Reduction.MAX: dist.ReduceOp.MAX,
+              Reduction.AVG: dist.ReduceOp.AVG}  # fmt: skip
+
+
+def pattern(rank: int, count: int, offset: int = 0) -> torch.Tensor:
+    """Rank's input: small integers 1..5 (exact sums in every dtype), float64."""
+    i = torch.arange(offset, offset + count, dtype=torch.float64)
+    return torch.remainder(i + 3 * rank, 5) + 1
+
+
+def reduce_reference(red: Reduction, n: int, count: int, offset: int = 0) -> torch.Tensor:
+    stack = torch.stack([pattern(r, count, offset) for r in range(n)])
+    if red is Reduction.SUM:
+        return stack.sum(0)
+    if red is Reduction.AVG:
+        return stack.mean(0)
+    if red is Reduction.PRODUCT:
+        return stack.prod(0)
+    return stack.amin(0) if red is Reduction.MIN else stack.amax(0)
+
+
+class Case:
+    """Buffers, the call of each implementation, and the check, for one op and size."""
+
+    def __init__(self, op: Collective, count: int, dtype: torch.dtype, red: Reduction, root: int,
+                 rank: int, n: int) -> None:
+        self.op, self.red, self.root, self.rank, self.n, self.dtype = op, red, root, rank, n, dtype
+        m = count // n if op.sharded else count
+        self.count = m * n if op.sharded else m
+        if op is Collective.ALLGATHER:
+            self.input = pattern(rank, m, rank * m).to(dtype)
+            self.expected = torch.cat([pattern(r, m, r * m) for r in range(n)])
+            self.output = torch.zeros(self.count, dtype=dtype)
+        elif op is Collective.REDUCESCATTER:
+            self.input = pattern(rank, self.count).to(dtype)
+            self.expected = reduce_reference(red, n, self.count)[rank * m:(rank + 1) * m]
+            self.output = torch.zeros(m, dtype=dtype)
+        else:
+            self.input = pattern(rank, m).to(dtype)
+            if op is Collective.BROADCAST:
+                self.expected = pattern(root, m)
+            else:
+                self.expected = reduce_reference(red, n, m)
+            self.output = torch.empty(m, dtype=dtype)
+
+    def reset(self) -> None:
+        if not self.op.sharded:
+            self.output.copy_(self.input if self.op is not Collective.BROADCAST or self.rank == self.root
+                              else torch.zeros_like(self.input))  # fmt: skip
+        else:
+            self.output.zero_()
+
+    def run(self, impl) -> None:
+        op, red = self.op, self.red
+        if isinstance(impl, TreeCollectives):
+            if op is Collective.BROADCAST:
+                impl.broadcast(self.output, self.root)
+            elif op is Collective.REDUCE:
+                impl.reduce(self.output, self.root, red)
+            elif op is Collective.ALLREDUCE:
+                impl.all_reduce(self.output, red)
+            elif op is Collective.ALLGATHER:
+                impl.all_gather(self.output, self.input)
+            else:
+                impl.reduce_scatter(self.output, self.input, red)
+            return
+        torch_op = _TORCH_OPS[red]
+        if op is Collective.BROADCAST:
+            dist.broadcast(self.output, self.root)
+        elif op is Collective.REDUCE:
+            dist.reduce(self.output, self.root, torch_op)
+        elif op is Collective.ALLREDUCE:
+            dist.all_reduce(self.output, torch_op)
+        elif op is Collective.ALLGATHER:
+            dist.all_gather_into_tensor(self.output, self.input)
+        else:
+            dist.reduce_scatter_tensor(self.output, self.input, torch_op)
+
+    def wrong(self) -> int:
+        """Elements that differ from the reference (only the root's result counts for reduce)."""
+        if self.op is Collective.REDUCE and self.rank != self.root:
+            return 0
+        got = self.output.to(torch.float64)
+        rtol = 1e-2 if self.dtype in (torch.bfloat16, torch.float16) else 1e-6
+        ok = torch.isclose(got, self.expected, rtol=rtol, atol=0)
+        return int((~ok).sum())
+
+
+def main(config_path: str) -> None:
+    with open(config_path) as f:
+        cfg = json.load(f)
+    init_process_group_from_env("gloo", timeout_s=float(cfg["timeout"]))
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    world = dist.group.WORLD
+    topology = topology_from_plain(cfg["topology"]) if cfg["topology"] else full(n)
+    options = RunOptions(mode=cfg["mode"], timeout_s=float(cfg["timeout"]),
+                         min_chunk_bytes=int(cfg["min_chunk_bytes"]),
+                         max_chunks_per_tree=int(cfg["max_chunks"]), window=int(cfg["window"]))  # fmt: skip
+    impls = {}
+    for name in cfg["impls"]:
+        if name == "gloo":
+            impls[name] = "gloo"
+        elif name == "ring":
+            impls[name] = TreeCollectives(world, topology, options, packer=ring_packing)
+        else:
+            impls[name] = TreeCollectives(world, topology, options)
+    op, red = Collective.parse(cfg["op"]), Reduction.parse(cfg["redop"])
+    dtype, root, iters = DTYPES[cfg["dtype"]], int(cfg["root"]), int(cfg["iters"])
+    rows = []
+    for nbytes in cfg["sizes"]:
+        case = Case(op, max(nbytes // torch.tensor([], dtype=dtype).element_size(), n), dtype, red,
+                    root, rank, n)  # fmt: skip
+        names = list(impls)
+        times = torch.zeros(len(names), iters, dtype=torch.float64)
+        wrong = torch.zeros(len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            case.reset()
+            case.run(impls[name])  # warm-up: connections, plans
+            wrong[i] += case.wrong()
+        for rep in range(iters):
+            for j in range(len(names)):
+                i = (j + rep) % len(names)
+                case.reset()
+                dist.barrier()
+                start = time.perf_counter()
+                case.run(impls[names[i]])
+                times[i, rep] = time.perf_counter() - start
+                wrong[i] += case.wrong()
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
+        dist.all_reduce(wrong)
+        for i, name in enumerate(names):
+            impl = impls[name]
+            packing = impl.packing(op, root) if isinstance(impl, TreeCollectives) else None
+            rows.append({
+                "impl": name, "bytes": case.count * case.output.element_size(), "count": case.count,
+                "seconds": statistics.median(times[i].tolist()), "all_seconds": times[i].tolist(),
+                "wrong": int(wrong[i]),
+                "num_trees": len(packing.trees) if packing else None,
+                "packing_rate": packing.rate if packing else None,
+            })  # fmt: skip
+    if rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump({"rows": rows, "world_size": n}, f)
+    for impl in impls.values():
+        if isinstance(impl, TreeCollectives):
+            impl.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
