@@ -214,14 +214,73 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        """What functional collectives (DTensor) call for all_gather_into_tensor."""
+        def delegated() -> None:  # gloo's backend has no coalesced all-gather binding: one by one
+            for o, i in zip(outputs, inputs):
+                self._delegate._allgather_base(o, i, opts).wait()
+
+        def run(trees: TreeCollectives) -> None:
+            for o, i in zip(outputs, inputs):
+                trees.all_gather(o, i)
+
+        if not inputs or any(i.is_sparse or o.numel() != self.size() * i.numel() or o.dtype != i.dtype
+                             for o, i in zip(outputs, inputs)):  # fmt: skip
+            return self._submit(torch.zeros(0), outputs, None, delegated)
+        return self._submit(inputs[0], outputs, run, delegated)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        """What functional collectives (DTensor) call for reduce_scatter_tensor."""
+        red = self._reduction(opts.reduceOp, outputs, single=False) if outputs else None
+
+        def delegated() -> None:
+            for o, i in zip(outputs, inputs):
+                self._delegate._reduce_scatter_base(o, i, opts).wait()
+
+        def run(trees: TreeCollectives) -> None:
+            for o, i in zip(outputs, inputs):
+                trees.reduce_scatter(o, i, red)
+
+        if red is None or any(i.numel() != self.size() * o.numel() or o.dtype != i.dtype
+                              for o, i in zip(outputs, inputs)):  # fmt: skip
+            return self._submit(torch.zeros(0), outputs, None, delegated)
+        return self._submit(outputs[0], outputs, run, delegated)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
     def barrier(self, opts=None):
         marker = torch.zeros(1)
         return self._submit(marker, [], lambda trees: trees.barrier(), None)
 
+    # ---- delegated, but defined here on purpose ------------------------------------------------
+    # torch's C++ trampoline for Python process groups keeps the GIL while it runs the base
+    # implementation of these methods (they are virtual there). Gloo's worker thread may need the
+    # GIL to free a finished work's tensors while it holds the lock that enqueueing needs: a
+    # deadlock we hit with DTensor under FSDP2. Calling the delegate from Python instead goes
+    # through bindings that release the GIL.
+
+    def send(self, tensors, dst_rank, tag):
+        return self._delegate.send(tensors, dst_rank, tag)
+
+    def recv(self, tensors, src_rank, tag):
+        return self._delegate.recv(tensors, src_rank, tag)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self._delegate.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    alltoall_base = all_to_all_single
+
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        self._jobs.put(None)
+        """Finish queued work, stop the threads, then the inner groups (torch calls this on
+        destroy_process_group). Threads are joined: one that outlived its gloo group could end the
+        process in C++ teardown."""
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join(self._options.run.timeout_s)
         for trees in self._trees.values():
             trees.close()
         self._tree_pg.shutdown()
@@ -244,15 +303,16 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
             return None
 
     def _submit(self, tensor: torch.Tensor, result, run, small) -> dist.Work:
-        """Queue `run(trees)` (or `small()`, gloo's own, below small_bytes) on the worker thread."""
+        """Queue `run(trees)` on the worker thread, or `small()` (gloo's own algorithm: a Work, or
+        None when it waits by itself) when `run` is None or the tensor is below small_bytes."""
         device = tensor.device.type
         if device not in self._trees:
             raise ValueError(f"shardshift runs CPU tensors only in this build, got a {device} tensor; "
                              "use a gloo or nccl group for it")  # fmt: skip
         future: torch.futures.Future = torch.futures.Future()
         nbytes = tensor.numel() * tensor.element_size()
-        if small is not None and nbytes < self._options.small_bytes:
-            job = lambda: small().wait()  # noqa: E731 - queued to keep the issue order
+        if run is None or (small is not None and nbytes < self._options.small_bytes):
+            job = _waited(small)  # gloo's own, queued all the same: calls keep their issue order
         else:
             trees = self._trees[device]
             job = lambda: run(trees)  # noqa: E731
@@ -271,6 +331,14 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
                 future.set_exception(err)
             else:
                 future.set_result(result)
+
+
+def _waited(call):
+    def job() -> None:
+        work = call()
+        if work is not None:
+            work.wait()
+    return job
 
 
 def _create(backend_options, pg_options) -> ShardShiftProcessGroup:

@@ -193,9 +193,11 @@ class TreeCollectives:
         self.all_reduce(torch.zeros(1, device=device))
 
     def close(self) -> None:
-        """Stop the worker threads (idle ones exit at once)."""
+        """Stop the worker threads. Idle ones exit at once and are joined, so none outlives the
+        process group it talks to; after a failure, threads still stuck in a wait are left to
+        time out by themselves."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=self._broken is None)
             self._pool, self._pool_size = None, 0
 
     # ---- internals --------------------------------------------------------------------------

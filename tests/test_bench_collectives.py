@@ -1,0 +1,52 @@
+"""`shardshift bench collectives`: argument checking, and one small run on loopback processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardshift.cli.bench_collectives import parse_sizes
+from shardshift.cli.main import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sizes_follow_nccl_tests_doubling():
+    assert parse_sizes("1M:8M") == [1 << 20, 2 << 20, 4 << 20, 8 << 20]
+    assert parse_sizes("1M:5M") == [1 << 20, 2 << 20, 4 << 20]
+    assert parse_sizes("512K,3M") == [512 << 10, 3 << 20]
+    with pytest.raises(ValueError, match="not a size"):
+        parse_sizes("lots")
+    with pytest.raises(ValueError, match="upper end"):
+        parse_sizes("8M:1M")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "allreduce"], "give --nproc N"),
+    (["--op", "allreduce", "--nproc", "3", "--emulate"], "--emulate needs a topology"),
+    (["--op", "broadcast", "--preset", "dgx1v", "--gpus", "0,1,2", "--nproc", "4"], "topology has 3 ranks"),
+    (["--op", "allgather", "--nproc", "2", "--impls", "gloo,nccl"], "choose from gloo, ring, trees"),
+    (["--op", "allgather", "--nproc", "2", "--sizes", "0"], "at least 1 byte"),
+])
+def test_bad_arguments_are_refused_before_any_process_starts(argv, message, capsys):
+    assert main(["bench", "collectives", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_small_run_reports_every_impl_without_wrong_elements():
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardshift", "bench", "collectives", "--op", "reducescatter",
+         "--sizes", "96K", "--preset", "ring", "--nproc", "3", "--iters", "1", "--json", "--timeout", "120"],
+        capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["impl"] for r in rows] == ["gloo", "ring", "trees"]
+    for r in rows:
+        assert r["wrong"] == 0 and r["op"] == "reducescatter" and r["count"] == 96 * 1024 // 4
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)
+        assert "bound_algbw_gbps" in r
