@@ -37,6 +37,7 @@ from shardshift.collectives.schedule import Schedule, element_ranges
 
 MIN_CHUNK_BYTES = 256 * 1024  # below this, per-message overhead outweighs pipelining
 MAX_CHUNKS_PER_TREE = 64  # REFERENCE.md §5: 64 chunks were enough (256 gained 1%)
+CHUNK_SECONDS = 0.004  # target time of one chunk on its links (see chunks_per_tree)
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,24 @@ class ExecutionPlan:
                 self.ranges, self.num_trees)  # fmt: skip
 
 
-def chunks_per_tree(nbytes: int, num_pieces: int, *, min_chunk_bytes: int = MIN_CHUNK_BYTES,
+def chunks_per_tree(nbytes: int, num_pieces: int, *, seconds: float | None = None,
+                    chunk_seconds: float = CHUNK_SECONDS, min_chunk_bytes: int = MIN_CHUNK_BYTES,
                     max_chunks: int = MAX_CHUNKS_PER_TREE) -> int:
-    """Pipeline depth for a buffer of `nbytes` split into `num_pieces` pieces: as many chunks per
-    piece as keep each chunk >= min_chunk_bytes, between 1 and max_chunks."""
-    if num_pieces < 1 or min_chunk_bytes < 1 or max_chunks < 1:
+    """Pipeline depth for a buffer of `nbytes` split into `num_pieces` pieces.
+
+    With the packing's rate R, a collective takes about `seconds` = nbytes / R and every chunk of
+    every tree takes seconds / k on its links (chunks are sized by tree weight). A pipeline of
+    depth-d trees loses about d - 1 chunk times to filling and draining, while each message costs
+    a fixed hand-off (about 2 ms per hop measured on the 2-core test machine, loopback or
+    emulated). So k aims at chunks of `chunk_seconds`, never below `min_chunk_bytes` per chunk on
+    average and never above `max_chunks`; without `seconds`, only the byte floor applies."""
+    if num_pieces < 1 or min_chunk_bytes < 1 or max_chunks < 1 or chunk_seconds <= 0:
         raise ValueError(f"num_pieces={num_pieces}, min_chunk_bytes={min_chunk_bytes}, "
-                         f"max_chunks={max_chunks}: all must be >= 1")  # fmt: skip
-    return max(1, min(max_chunks, nbytes // (num_pieces * min_chunk_bytes)))
+                         f"max_chunks={max_chunks}, chunk_seconds={chunk_seconds}: all must be > 0")  # fmt: skip
+    k = nbytes // (num_pieces * min_chunk_bytes)
+    if seconds is not None:
+        k = min(k, round(seconds / chunk_seconds))
+    return max(1, min(max_chunks, k))
 
 
 def compile_plan(schedule: Schedule, count: int, rank: int, num_trees: int = 0) -> ExecutionPlan:
