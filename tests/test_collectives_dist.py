@@ -170,6 +170,7 @@ def _backend_cases(rank: int, n: int) -> dict:
     for w in works[2:]:
         w.wait()
     checks.append(all(torch.equal(f.wait()[0], ts[i]) for i, f in enumerate(futures)))
+    checks.append(torch.equal(works[3].result()[0], ts[3]))
     checks.append(all(float(t[0]) == sum(range(n)) + n * i for i, t in enumerate(ts)))
     dist.barrier(group=g)
     # delegated to gloo: unsupported reduction, point-to-point, gather

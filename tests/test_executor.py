@@ -13,7 +13,8 @@ import torch
 from local_group import LocalGroup, run_ranks
 
 from shardshift.collectives.checker import check_schedule
-from shardshift.collectives.emulate_topology import auto_scale, emulation_rates
+from shardshift.collectives.bounds import collective_bound
+from shardshift.collectives.emulate_topology import auto_scale, emulation_rates, scaled
 from shardshift.collectives.exec_plan import SendOp, chunks_per_tree, compile_plan
 from shardshift.collectives.executor import CollectiveError, ExecMode
 from shardshift.collectives.ops import Collective
@@ -236,6 +237,9 @@ def test_emulation_rates_scale_and_fill():
     assert len(rates) == 12
     with pytest.warns(UserWarning, match="outside"):
         emulation_rates(t, 1.0)
+    half = scaled(hetero4(), 0.5)
+    for op in OPS:
+        assert collective_bound(half, op) == pytest.approx(collective_bound(hetero4(), op) / 2)
 
 
 def test_topology_specs_and_round_trip(tmp_path):

@@ -19,7 +19,9 @@ Without --preset/--topology the trees are packed on a uniform `full` topology an
 printed. --emulate runs the ranks in network namespaces whose every ordered pair is shaped to the
 topology's pair rate × --emulate-scale (emulate_topology.py; `auto`, the default, maps the
 fastest pair to 1 Gbit/s so that rates stay in the range shaped accurately here, REFERENCE.md
-§5); bounds are then printed in emulated units (× scale). Without --emulate the ranks talk over
+§5); the ranks then plan on the scaled topology, the network they really run on, and bounds are
+in emulated units. --probe packs ring and trees on the topology the ranks measure when they
+start (probe.py) and prints that topology's bound. Without --emulate the ranks talk over
 loopback: CPU-bound and noisy, compare ratios only.
 """
 
@@ -50,6 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: the topology's)")
     add_topology_arguments(p)
     p.add_argument("--emulate", action="store_true", help="run the ranks on emulated links (root)")
+    p.add_argument("--probe", action="store_true",
+                   help="pack ring and trees on the topology the ranks measure (probe.py); the bound "
+                        "printed is the probed topology's")
     p.add_argument("--emulate-scale", default="auto",
                    help="emulated rate = topology pair rate × this; 'auto' maps the fastest pair to 1 Gbit/s")
     p.add_argument("--root", type=int, default=0, help="root of broadcast / reduce")
@@ -60,6 +65,8 @@ def register(subparsers) -> None:
     p.add_argument("--mode", default=None, choices=["dataflow", "stepped"], help="tree executor mode")
     p.add_argument("--min-chunk-bytes", type=int, default=256 * 1024, help="pipeline chunk floor")
     p.add_argument("--max-chunks", type=int, default=64, help="pipeline chunks per tree, at most")
+    p.add_argument("--chunk-seconds", type=float, default=0.004,
+                   help="aimed time of one pipeline chunk at the packing's rate")
     p.add_argument("--window", type=int, default=4, help="messages posted ahead per peer")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
@@ -109,7 +116,7 @@ def _topology(args):
 
 def run(args: argparse.Namespace) -> int:
     from shardshift.collectives.bounds import collective_bound
-    from shardshift.collectives.emulate_topology import auto_scale, emulation_rates
+    from shardshift.collectives.emulate_topology import auto_scale, emulation_rates, scaled
     from shardshift.collectives.topology_spec import topology_to_dict
 
     try:
@@ -131,14 +138,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
     op = Collective.parse(args.op)
-    bound = collective_bound(topology, op, args.root) * scale if topology is not None else None
+    if topology is not None and scale != 1.0:
+        topology = scaled(topology, scale)  # what the emulated network is: plans see its rates
+    bound = collective_bound(topology, op, args.root) if topology is not None else None
     with tempfile.TemporaryDirectory(prefix="shardshift-bench-") as tmp:
         config = {
             "op": op.value, "sizes": sizes, "root": args.root, "dtype": args.dtype,
             "redop": args.redop, "iters": args.iters, "impls": impls, "mode": args.mode,
             "timeout": args.timeout, "min_chunk_bytes": args.min_chunk_bytes,
-            "max_chunks": args.max_chunks, "window": args.window,
+            "max_chunks": args.max_chunks, "window": args.window, "chunk_seconds": args.chunk_seconds,
             "topology": topology_to_dict(topology) if topology is not None else None,
+            "probe": args.probe,
             "out": os.path.join(tmp, "rows.json"),
         }  # fmt: skip
         config_path = os.path.join(tmp, "config.json")
@@ -146,18 +156,23 @@ def run(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "shardshift.cli.bench_collectives_worker", config_path]
         try:
             if args.emulate:
-                _run_emulated(argv, emulation_rates(topology, scale), n, args.timeout)
+                _run_emulated(argv, emulation_rates(topology, 1.0), n, args.timeout)
             else:
                 _run_local(argv, n, tmp, args.timeout)
             result = json.loads(Path(config["out"]).read_text())
         except (RuntimeError, TimeoutError, OSError, ValueError) as err:
             print(f"shardshift: error: the benchmark ranks failed: {err}", file=sys.stderr)
             return 1
+    if args.probe:
+        bound = result["probed_bound"]
+        if not args.json:
+            print(f"# probed pair rates (GB/s): " + ", ".join(
+                f"{u}->{v} {r / 1e9:.3f}" for u, v, r in result["probed_rates"]))
     rows = [_row(r, op, args, n, bound, scale) for r in result["rows"]]
     if args.json:
         print(json.dumps({"rows": rows}))
     else:
-        _print_table(rows, op, topology, n, scale, args.emulate)
+        _print_table(rows, op, topology, n, scale, args)
     return 0 if all(r["wrong"] == 0 for r in rows) else 1
 
 
@@ -194,7 +209,7 @@ def _row(r: dict, op: Collective, args, n: int, bound: float | None, scale: floa
         "root": args.root if op.rooted else None, "impl": r["impl"], "time_us": r["seconds"] * 1e6,
         "algbw_gbps": algbw, "busbw_gbps": algbw * op.busbw_factor(n), "wrong": r["wrong"],
         "times_us": [t * 1e6 for t in r["all_seconds"]], "num_trees": r["num_trees"],
-        "plan_algbw_gbps": r["packing_rate"] * scale / 1e9 if r["packing_rate"] else None,
+        "plan_algbw_gbps": r["packing_rate"] / 1e9 if r["packing_rate"] else None,
         "nproc": n, "emulate_scale": scale if args.emulate else None,
     }  # fmt: skip
     if bound is not None:
@@ -203,8 +218,10 @@ def _row(r: dict, op: Collective, args, n: int, bound: float | None, scale: floa
     return row
 
 
-def _print_table(rows: list[dict], op: Collective, topology, n: int, scale: float, emulated: bool) -> None:
-    where = topology.name if topology is not None else f"{n} ranks, no topology (trees on full{n})"
+def _print_table(rows: list[dict], op: Collective, topology, n: int, scale: float, args) -> None:
+    emulated = args.emulate
+    where = topology.name if topology is not None else (
+        "the probed topology" if args.probe else f"no topology (trees on full{n})")
     print(f"# {op.value} on {where}, {n} ranks"
           + (f", emulated links at {scale:.4g} × the topology's rates" if emulated else ", loopback"))
     head = (f"{'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'root':>4} {'impl':>6} "

@@ -3,7 +3,7 @@
     python -m shardshift.cli.bench_collectives_worker CONFIG.json
 
 Joins the group from RANK / WORLD_SIZE / SHARDSHIFT_STORE (emulate.init_process_group_from_env),
-then for every size runs each implementation (gloo's own collective, the ring, the packed trees)
+with `probe` measures the topology first (probe.py), then for every size runs each implementation (gloo's own collective, the ring, the packed trees)
 once to warm up (plans are built there, not in the timed calls), then `iters` rounds in which the
 implementations take turns in a rotating order, so drifts of a shared machine hit all alike.
 A timed call starts after a barrier; its time is the slowest rank's. Results are checked against
@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from shardshift.collectives.emulate import init_process_group_from_env
+from shardshift.collectives.bounds import collective_bound
 from shardshift.collectives.ops import Collective
 from shardshift.collectives.presets import full
+from shardshift.collectives.probe import probe_topology
 from shardshift.collectives.reduction import Reduction
 from shardshift.collectives.ring import ring_packing
 from shardshift.collectives.runner import RunOptions, TreeCollectives
@@ -128,9 +130,13 @@ def main(config_path: str) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     world = dist.group.WORLD
     topology = topology_from_plain(cfg["topology"]) if cfg["topology"] else full(n)
+    probed = None
+    if cfg.get("probe"):
+        topology = probed = probe_topology(world)  # the same on every rank (all-gathered rates)
     options = RunOptions(mode=cfg["mode"], timeout_s=float(cfg["timeout"]),
                          min_chunk_bytes=int(cfg["min_chunk_bytes"]),
-                         max_chunks_per_tree=int(cfg["max_chunks"]), window=int(cfg["window"]))  # fmt: skip
+                         max_chunks_per_tree=int(cfg["max_chunks"]), window=int(cfg["window"]),
+                         chunk_seconds=float(cfg["chunk_seconds"]))  # fmt: skip
     impls = {}
     for name in cfg["impls"]:
         if name == "gloo":
@@ -174,8 +180,12 @@ def main(config_path: str) -> None:
                 "packing_rate": packing.rate if packing else None,
             })  # fmt: skip
     if rank == 0:
+        info = {"world_size": n}
+        if probed is not None:
+            info["probed_bound"] = collective_bound(probed, op, root)
+            info["probed_rates"] = [[l.src, l.dst, l.capacity] for l in probed.links]
         with open(cfg["out"], "w") as f:
-            json.dump({"rows": rows, "world_size": n}, f)
+            json.dump({"rows": rows, **info}, f)
     for impl in impls.values():
         if isinstance(impl, TreeCollectives):
             impl.close()

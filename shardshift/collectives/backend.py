@@ -91,6 +91,10 @@ class _TreeWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._future.value()
+
 
 class ShardShiftProcessGroup(dist.ProcessGroup):
     """See the module docstring. Built by torch through `register()`; not meant to be built by hand."""

@@ -13,14 +13,16 @@ Topologies are often in GB/s (a DGX-1) while emulation is accurate only between 
 2 Gbit/s per pair (REFERENCE.md §5). `scale` multiplies every rate; `auto_scale` maps the fastest
 pair to 1 Gbit/s, which keeps a 10:1 spread of rates inside the accurate range. A benchmark run on
 the emulated network then measures rates `scale` times the topology's: divide by `scale` to read
-them in the topology's units, or multiply the topology's bounds by `scale` (what bench does).
+them in the topology's units, or run on `scaled(topology, scale)`, the topology the emulated
+network actually is (what bench does: its packings are the same up to the factor, and its rates
+are what the executor's pipeline depth is computed from).
 """
 
 from __future__ import annotations
 
 import warnings
 
-from shardshift.collectives.topology import Topology, pair_rates
+from shardshift.collectives.topology import Link, Topology, pair_rates
 
 EMULATION_MIN = 100e6 / 8  # bytes/s: below, shaping is inaccurate here (REFERENCE.md §5)
 EMULATION_MAX = 2e9 / 8  # bytes/s: above, the 2 cores here cannot keep up
@@ -54,3 +56,12 @@ def emulation_rates(topology: Topology, scale: float, fill: float | None = None,
             f"100-2000 Mbit/s that this machine shapes accurately; pick another scale "
             f"(auto maps the fastest pair to 1 Gbit/s)", stacklevel=2)
     return out
+
+
+def scaled(topology: Topology, scale: float) -> Topology:
+    """The same topology with every link's capacity multiplied by `scale` (names kept)."""
+    if not scale > 0:
+        raise ValueError(f"scale={scale}: give a factor > 0")
+    links = tuple(Link(l.src, l.dst, l.capacity * scale, l.latency) for l in topology.links)
+    unit = topology.link_unit * scale if topology.link_unit is not None else None
+    return Topology(topology.num_ranks, links, topology.num_switches, topology.names, unit, topology.name)

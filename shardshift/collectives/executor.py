@@ -74,7 +74,7 @@ def execute(plan: ExecutionPlan, buffer: torch.Tensor, group, *, combine: Combin
             timeout_s: float, mode: ExecMode = ExecMode.DATAFLOW, window: int = 4,
             pool: ThreadPoolExecutor | None = None) -> None:
     """Run `plan` on `buffer` for this rank (see module docstring). `combine(into, other)` applies
-    REDUCE receives; `pool` needs at least one free worker per peer and direction."""
+    REDUCE receives; `pool` needs at least one free worker per queue (peer, lane, direction)."""
     if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() != plan.count:
         raise ValueError(f"buffer must be flat and contiguous with {plan.count} elements, got "
                          f"shape {tuple(buffer.shape)} (contiguous={buffer.is_contiguous()})")  # fmt: skip
