@@ -10,7 +10,7 @@ import torch
 
 from shardshift.layout import Layout
 from shardshift.train.model import PRESETS, ModelConfig
-from shardshift.train.parallelize import check_layout
+from shardshift.train.state import check_layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -55,7 +55,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
     global_batch: int = 16  # sequences per optimizer step, summed over data-parallel ranks
-    micro_batches: int = 0  # per data rank, under pp; 0 means 2 * pp
+    micro_batches: int = 0  # per data rank, under pp; 0 means 2 * pp (for every layout switched to)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: str | None = None  # text file; None means the shipped corpus
     save: str | None = None  # checkpoint directory
@@ -63,6 +63,7 @@ class TrainConfig:
     resume: str | None = None  # checkpoint directory (or one checkpoint in it) to resume from
     metrics: str | None = None  # JSONL file that rank 0 appends one object per step to
     log_every: int = 1
+    auto_micro_batches: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,10 +80,16 @@ class TrainConfig:
             raise ValueError("--save-every needs --save DIR")
         if self.micro_batches < 0:
             raise ValueError(f"--micro-batches {self.micro_batches} must be >= 1")
+        object.__setattr__(self, "auto_micro_batches", self.micro_batches == 0)
         if self.micro_batches == 0:
             object.__setattr__(self, "micro_batches", 2 * self.layout.pp if self.layout.pp > 1 else 1)
         check_layout(self.layout, self.model)
         self.check_batch(self.layout)
+
+    def with_layout(self, layout: Layout) -> "TrainConfig":
+        """This configuration under another layout; ValueError if the model or batch cannot take it."""
+        micro = 0 if self.auto_micro_batches else self.micro_batches
+        return dataclasses.replace(self, layout=layout, micro_batches=micro)
 
     def check_batch(self, layout: Layout) -> None:
         """The batch splits evenly among data ranks and, under pp, into micro-batches."""

@@ -32,44 +32,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from shardshift.layout import AXES, Coord, Layout
 from shardshift.train.model import GPT, ModelConfig, init_value
+from shardshift.train.state import TP_STYLES, stage_blocks, uses_fsdp
 
-# Module (relative to a block) -> its tensor-parallel style.
-TP_PLAN = {
-    "attn.q": ColwiseParallel(),
-    "attn.k": ColwiseParallel(),
-    "attn.v": ColwiseParallel(),
-    "attn.out": RowwiseParallel(),
-    "mlp.fc": ColwiseParallel(),
-    "mlp.proj": RowwiseParallel(),
-}
-
-
-def check_layout(layout: Layout, cfg: ModelConfig) -> None:
-    """Refuse a layout this model cannot take, saying which constraint failed and what would do."""
-    if layout.tp > 1:
-        for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
-            if size % layout.tp:
-                valid = [t for t in range(1, cfg.n_head + 1) if cfg.n_head % t == 0 and cfg.d_ff % t == 0]
-                raise ValueError(
-                    f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                    f"{{{', '.join(map(str, valid))}}}"
-                )
-    if layout.pp > cfg.n_layer:
-        raise ValueError(
-            f"pp={layout.pp} is larger than the number of layers n_layer={cfg.n_layer}; "
-            f"choose pp <= {cfg.n_layer}"
-        )
-
-
-def stage_blocks(n_layer: int, pp: int) -> list[range]:
-    """Block indices of each pipeline stage: contiguous, the first ``n_layer % pp`` stages one longer."""
-    base, extra = divmod(n_layer, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        stop = start + base + (1 if stage < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
+# Module (relative to a block) -> its tensor-parallel style, from the pure statement in `state.py`.
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+TP_PLAN = {module: _STYLES[style]() for module, style in TP_STYLES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +46,7 @@ class Parallel:
     layout: Layout
     mesh: DeviceMesh  # 4-D, axes AXES
     coord: Coord
+    ranks: tuple[int, ...]  # the process rank at each of the layout's coordinates, in rank order
 
     @property
     def device(self) -> torch.device:
@@ -94,13 +62,11 @@ class Parallel:
     @property
     def data_mesh(self) -> DeviceMesh | None:
         """Mesh that FSDP2 shards and replicates over, or None when FSDP2 is not used."""
-        if self.replicate_only:
+        if not uses_fsdp(self.layout):
             return None
         if self.layout.dp > 1:
             return self.mesh["dp", "fsdp"]
-        if self.layout.fsdp > 1:
-            return self.mesh["fsdp"]
-        return None
+        return self.mesh["fsdp"]
 
     @property
     def is_first_stage(self) -> bool:
@@ -111,13 +77,35 @@ class Parallel:
         return self.coord.pp == self.layout.pp - 1
 
 
-def build_parallel(layout: Layout, rank: int, device_type: str) -> Parallel:
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
-    return Parallel(layout=layout, mesh=mesh, coord=layout.coord(rank))
+def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int, ...] | None = None) -> Parallel:
+    """The meshes of `layout` (a collective: every rank calls it).
+
+    `ranks[i]` is the process at the layout's i-th coordinate (row-major over `AXES`); by default
+    process i. A switch passes the order that keeps the most state where it already is.
+    """
+    ranks = tuple(range(layout.world_size)) if ranks is None else tuple(ranks)
+    assert sorted(ranks) == list(range(layout.world_size)), ranks
+    if ranks == tuple(range(layout.world_size)):
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
+    else:
+        mesh = DeviceMesh(device_type, torch.tensor(ranks).reshape(layout.shape), mesh_dim_names=AXES)
+    return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks)
 
 
 def build_stage_model(cfg: ModelConfig, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
     """This rank's part of the model, parallelized, with its local shards initialised."""
+    model = build_stage_skeleton(cfg, par, dtype)
+    model.to_empty(device=par.device)
+    init_local_shards(model, cfg, seed)
+    return model
+
+
+def build_stage_skeleton(cfg: ModelConfig, par: Parallel, dtype: torch.dtype) -> nn.Module:
+    """This rank's part of the model, parallelized, with every parameter still on the meta device.
+
+    Its parameters are allocated later: all at once (``to_empty``), or leaf module by leaf module
+    while a switch fills them (`materialize`).
+    """
     with torch.device("meta"):
         model = GPT(cfg)
     keep = stage_blocks(cfg.n_layer, par.layout.pp)[par.coord.pp]
@@ -144,10 +132,15 @@ def build_stage_model(cfg: ModelConfig, par: Parallel, dtype: torch.dtype, seed:
         for block in model.blocks.values():
             fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
-
-    model.to_empty(device=par.device)
-    init_local_shards(model, cfg, seed)
     return model
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) the parameters `module` itself owns, leaving its children alone.
+
+    FSDP2 accepts this one module at a time: its lazy initialisation picks up the new storage.
+    """
+    module.to_empty(device=device, recurse=False)
 
 
 @torch.no_grad()

@@ -9,11 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from shardshift.layout import Layout
+from shardshift.reshard.plan import Assignment
+from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.model import loss_fn
 from shardshift.train.optim import build_optimizer, clip_grad_norm
 from shardshift.train.parallelize import build_parallel, build_stage_model, wrap_for_training
+from shardshift.train.switch import SwitchReport, switch_trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +44,12 @@ class Trainer:
     Every rank of the job constructs one and calls `train_step` in lockstep.
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None):
+    def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None, ranks=None):
+        """`ranks`: the process at each coordinate of the layout (default: process i at the i-th)."""
         self.cfg = cfg
         self.rank = rank
         torch.manual_seed(cfg.seed)
-        self.par = build_parallel(cfg.layout, rank, device_type)
+        self.par = build_parallel(cfg.layout, rank, device_type, ranks)
         self.model = build_stage_model(cfg.model, self.par, cfg.param_dtype, cfg.seed)
         self.module = wrap_for_training(self.model, self.par)  # what runs forward and backward
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -55,6 +60,31 @@ class Trainer:
             cfg.seed,
         )
         self.progress = Progress()
+        self.schedule = self._build_schedule() if cfg.layout.pp > 1 else None
+
+    @property
+    def assignment(self) -> Assignment:
+        """The layout and the process at each of its coordinates."""
+        return Assignment(self.cfg.layout, self.par.ranks)
+
+    def switch(self, layout: Layout, budget: int = DEFAULT_BUDGET) -> SwitchReport:
+        """Continue training under `layout`, moving the state in place (see `switch.py`).
+
+        A collective between steps: every rank calls it with the same arguments. A layout the
+        model, the batch or the world cannot take raises ValueError before anything changes.
+        """
+        return switch_trainer(self, layout, budget)
+
+    def drop_runtime(self) -> None:
+        """Drop what only runs steps (DDP wrapper, pipeline schedule): a switch is about to start."""
+        self.module = self.schedule = None
+
+    def install(self, cfg: TrainConfig, par, assignment: Assignment, model, optimizer, step: int, position: int) -> None:
+        """Take the state a switch built for `cfg.layout`."""
+        assert par.ranks == assignment.ranks and cfg.layout == assignment.layout
+        self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
+        self.progress = Progress(step=step, position=position)
+        self.module = wrap_for_training(model, par)
         self.schedule = self._build_schedule() if cfg.layout.pp > 1 else None
 
     def _build_schedule(self) -> Schedule1F1B:

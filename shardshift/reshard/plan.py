@@ -1,0 +1,243 @@
+"""Transition plans: which box of which logical tensor goes from which process to which.
+
+A switch from an old `Assignment` (a layout and the process at each of its coordinates) to a new
+layout is planned in three steps, all pure metadata:
+
+1. **Assignment.** Which process takes which coordinate of the new layout. Process p keeps
+   ``|old box of p ∩ new box of c|`` bytes of every tensor if it takes coordinate c; the order that
+   keeps the most bytes in place is a linear assignment problem (`choose_ranks`). Ties go to the
+   process's current index, so a switch to the same layout keeps everything.
+2. **Sources.** Each process's new box of a tensor is cut by the distinct old boxes of that tensor
+   (replicas hold identical boxes; distinct boxes never overlap, which is checked). A piece the
+   process already holds is a local copy; any other piece comes from the replica that has been
+   asked for the fewest bytes so far, so replicas share the sending.
+3. **Validation.** Every element of every new box is covered exactly once, by a box inside the
+   source's old box; bytes moved equal the lower bound for the chosen assignment (every byte a
+   process needs and does not hold must reach it once, and no more).
+
+The plan is frozen data; `schedule.py` cuts it into memory-bounded rounds and `execute.py` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from shardshift.layout import Coord, Layout
+from shardshift.reshard.space import Box, LogicalTensor, StateSpace, holding
+
+Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """A layout placed on processes: ``ranks[i]`` is the process at the layout's i-th coordinate."""
+
+    layout: Layout
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if sorted(self.ranks) != list(range(self.layout.world_size)):
+            raise ValueError(
+                f"an assignment of {self.layout} needs each of processes 0..{self.layout.world_size - 1} "
+                f"exactly once, got {list(self.ranks)}"
+            )
+
+    @classmethod
+    def identity(cls, layout: Layout) -> "Assignment":
+        return cls(layout, tuple(range(layout.world_size)))
+
+    def coord(self, rank: int) -> Coord:
+        return self.layout.coord(self.ranks.index(rank))
+
+    def __str__(self) -> str:
+        if self.ranks == tuple(range(len(self.ranks))):
+            return str(self.layout)
+        return f"{self.layout} on ranks {list(self.ranks)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Copy `box` of tensor `tensor` from process `src`'s old piece into process `dst`'s new piece."""
+
+    tensor: int  # index into the plan's tensors
+    src: int
+    dst: int
+    box: Box
+
+    @property
+    def local(self) -> bool:
+        return self.src == self.dst
+
+
+def coord_holdings(space: StateSpace, layout: Layout) -> Holdings:
+    """The box of every tensor held at each coordinate of `layout`, in rank order."""
+    return tuple(
+        tuple(holding(space, layout, coord, t) for t in space.tensors) for coord in layout.coords()
+    )
+
+
+def holdings_of(space: StateSpace, assignment: Assignment, by_coord: Holdings | None = None) -> Holdings:
+    """The box of every tensor held by every process under `assignment`."""
+    by_coord = coord_holdings(space, assignment.layout) if by_coord is None else by_coord
+    index = {rank: i for i, rank in enumerate(assignment.ranks)}
+    return tuple(by_coord[index[rank]] for rank in range(len(assignment.ranks)))
+
+
+def _kept_bytes(tensors: Sequence[LogicalTensor], old: tuple[Box | None, ...], new: tuple[Box | None, ...]) -> int:
+    return sum(
+        t.itemsize * a.intersect(b).numel
+        for t, a, b in zip(tensors, old, new)
+        if a is not None and b is not None
+    )
+
+
+def choose_ranks(
+    space: StateSpace, old: Assignment, layout: Layout, old_held: Holdings | None = None,
+    by_coord: Holdings | None = None,
+) -> Assignment:
+    """The placement of `layout` on the processes that keeps the most bytes where they are."""
+    n = layout.world_size
+    assert n == old.layout.world_size, "changing the number of processes is not a layout switch"
+    old_held = holdings_of(space, old) if old_held is None else old_held
+    by_coord = coord_holdings(space, layout) if by_coord is None else by_coord
+    kept = np.array([[_kept_bytes(space.tensors, old_held[p], by_coord[i]) for i in range(n)] for p in range(n)])
+    # Integer weights: kept bytes dominate; among equal choices, process p stays at index p.
+    weight = kept.astype(np.float64) * (n + 1) + np.eye(n)
+    procs, coords = linear_sum_assignment(weight, maximize=True)
+    ranks = [0] * n
+    for p, i in zip(procs, coords):
+        ranks[i] = int(p)
+    return Assignment(layout, tuple(ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionPlan:
+    tensors: tuple[LogicalTensor, ...]
+    old: Assignment
+    new: Assignment
+    old_boxes: Holdings
+    new_boxes: Holdings
+    segments: tuple[Segment, ...]  # grouped by tensor, in tensor order
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.old_boxes)
+
+    def segment_bytes(self, seg: Segment) -> int:
+        return seg.box.numel * self.tensors[seg.tensor].itemsize
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(self.segment_bytes(s) for s in self.segments if not s.local)
+
+    @property
+    def bytes_kept(self) -> int:
+        return sum(self.segment_bytes(s) for s in self.segments if s.local)
+
+    @property
+    def bytes_total(self) -> int:
+        """All state under the new layout, summed over processes (replicas counted each time)."""
+        return sum(self.held_bytes(self.new_boxes, rank) for rank in range(self.world_size))
+
+    @property
+    def bytes_lower_bound(self) -> int:
+        """Bytes that must move for this assignment: what each process needs and does not hold."""
+        return self.bytes_total - sum(
+            _kept_bytes(self.tensors, self.old_boxes[r], self.new_boxes[r]) for r in range(self.world_size)
+        )
+
+    def held_bytes(self, boxes: Holdings, rank: int) -> int:
+        return sum(t.itemsize * b.numel for t, b in zip(self.tensors, boxes[rank]) if b is not None)
+
+    def received_bytes(self, rank: int) -> int:
+        return sum(self.segment_bytes(s) for s in self.segments if s.dst == rank and not s.local)
+
+    def sent_bytes(self, rank: int) -> int:
+        return sum(self.segment_bytes(s) for s in self.segments if s.src == rank and not s.local)
+
+    def validate(self) -> None:
+        """Every element of every new box is covered once, from inside the source's old box."""
+        covered: dict[tuple[int, int], list[Box]] = {}
+        for seg in self.segments:
+            assert not seg.box.empty, seg
+            source = self.old_boxes[seg.src][seg.tensor]
+            target = self.new_boxes[seg.dst][seg.tensor]
+            assert source is not None and source.contains(seg.box), f"{seg} is not held by its source"
+            assert target is not None and target.contains(seg.box), f"{seg} is outside its destination"
+            covered.setdefault((seg.dst, seg.tensor), []).append(seg.box)
+        for rank, boxes in enumerate(self.new_boxes):
+            for index, box in enumerate(boxes):
+                pieces = covered.pop((rank, index), [])
+                if box is None or box.empty:
+                    assert not pieces
+                    continue
+                assert sum(p.numel for p in pieces) == box.numel, (
+                    f"{self.tensors[index].key} on rank {rank}: pieces cover "
+                    f"{sum(p.numel for p in pieces)} of {box.numel} elements"
+                )
+                for a, b in itertools.combinations(pieces, 2):
+                    assert a.intersect(b).empty, f"{self.tensors[index].key} on rank {rank}: {a} overlaps {b}"
+        assert not covered
+
+
+def _replica_classes(boxes: list[tuple[int, Box]]) -> list[tuple[Box, list[int]]]:
+    """Group the holders of one tensor by identical box; distinct boxes must not overlap."""
+    classes: dict[Box, list[int]] = {}
+    for rank, box in boxes:
+        if not box.empty:
+            classes.setdefault(box, []).append(rank)
+    out = sorted(classes.items(), key=lambda item: item[0].offsets)
+    for (a, _), (b, _) in itertools.combinations(out, 2):
+        assert a.intersect(b).empty, f"old pieces {a} and {b} overlap without being replicas"
+    return out
+
+
+def plan_transition(
+    space: StateSpace, old: Assignment, layout: Layout, ranks: Sequence[int] | None = None
+) -> TransitionPlan:
+    """Plan the switch from `old` to `layout` (placed by `choose_ranks` unless `ranks` is given).
+
+    Raises ValueError, before anything moves, if the state cannot take `layout`.
+    """
+    space.check(layout)
+    if layout.world_size != old.layout.world_size:
+        raise ValueError(
+            f"layout {layout} has {layout.world_size} ranks but the job has {old.layout.world_size}; "
+            f"choose degrees whose product is {old.layout.world_size}"
+        )
+    tensors = tuple(space.tensors)
+    old_boxes, by_coord = holdings_of(space, old), coord_holdings(space, layout)
+    if ranks is None:
+        new = choose_ranks(space, old, layout, old_boxes, by_coord)
+    else:
+        new = Assignment(layout, tuple(ranks))
+    new_boxes = holdings_of(space, new, by_coord)
+    n = layout.world_size
+    sent = [0] * n
+    segments: list[Segment] = []
+    for index, tensor in enumerate(tensors):
+        classes = _replica_classes([(r, old_boxes[r][index]) for r in range(n) if old_boxes[r][index] is not None])
+        for dst in range(n):
+            need = new_boxes[dst][index]
+            if need is None or need.empty:
+                continue
+            for source_box, holders in classes:
+                piece = source_box.intersect(need)
+                if piece.empty:
+                    continue
+                # Prefer the destination itself, then the replica asked for the fewest bytes so far.
+                src = dst if dst in holders else min(holders, key=lambda r: (sent[r], r))
+                if src != dst:
+                    sent[src] += piece.numel * tensor.itemsize
+                segments.append(Segment(index, src, dst, piece))
+    plan = TransitionPlan(tensors, old, new, old_boxes, new_boxes, tuple(segments))
+    assert plan.bytes_moved == plan.bytes_lower_bound, (plan.bytes_moved, plan.bytes_lower_bound)
+    return plan

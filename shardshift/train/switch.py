@@ -1,0 +1,188 @@
+"""Switch a running `Trainer` to another layout, in place, without a checkpoint.
+
+At a step boundary (no gradients, no activations), every rank:
+
+1. plans the switch from the trainer's assignment to the new layout (pure: `reshard.plan`), which
+   refuses an invalid layout before anything changes;
+2. builds the new layout's meshes and its model on the meta device (TP plan, FSDP2) — no storage;
+3. runs the schedule (`reshard.execute`): each new piece is allocated when the schedule first
+   writes it (a leaf module at a time for parameters, an AdamW moment at a time) and filled from
+   local copies and messages; each old piece is freed as soon as the schedule is done with it;
+4. builds the optimizer over the new parameters with the moved AdamW state, the pipeline schedule
+   and the DDP wrapper where the layout needs them, and restores the step, data position and RNG.
+
+Old storage is freed by shrinking its storage to zero bytes (the old model is dropped right after):
+this is how memory stays within max(old state, new state) + the budget while a switch runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardshift.layout import Layout
+from shardshift.reshard.execute import execute
+from shardshift.reshard.plan import plan_transition
+from shardshift.reshard.schedule import DEFAULT_BUDGET, build_schedule
+from shardshift.train.optim import build_optimizer
+from shardshift.train.parallelize import build_parallel, build_stage_skeleton, materialize
+from shardshift.train.state import MOMENTS, GPTState
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchReport:
+    """One switch, as every rank saw it (byte and memory figures: the worst rank where per rank)."""
+
+    step: int  # optimizer steps taken when it happened
+    old: str
+    new: str  # the new layout, with its rank order when it is not the identity
+    seconds: float  # from the call to the first step's readiness, on this rank
+    plan_seconds: float
+    bytes_moved: int  # over all ranks
+    bytes_kept: int  # copied locally, over all ranks
+    bytes_lower_bound: int  # bytes that must move for the chosen assignment
+    bytes_total: int  # all state under the new layout, replicas counted
+    max_bytes_received: int  # the most any rank received: what bounds the switch's time
+    rounds: int
+    budget: int
+    peak_mem_bytes: int  # the most state + buffers any rank held during the switch
+    extra_mem_bytes: int  # the most any rank held beyond max(its old state, its new state)
+
+    def event(self) -> dict:
+        return {
+            "event": "switch",
+            "step": self.step,
+            "from": self.old,
+            "to": self.new,
+            "seconds": self.seconds,
+            "plan_seconds": self.plan_seconds,
+            "bytes_moved": self.bytes_moved,
+            "bytes_kept": self.bytes_kept,
+            "bytes_lower_bound": self.bytes_lower_bound,
+            "bytes_total": self.bytes_total,
+            "max_bytes_received": self.max_bytes_received,
+            "rounds": self.rounds,
+            "budget": self.budget,
+            "peak_mem_bytes": self.peak_mem_bytes,
+            "extra_mem_bytes": self.extra_mem_bytes,
+        }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t.data
+
+
+class _TrainerSource:
+    """The old state of a trainer, by logical tensor."""
+
+    def __init__(self, trainer, space: GPTState):
+        self.tensors = space.tensors
+        self.params = dict(trainer.model.named_parameters())
+        self.state = trainer.optimizer.state
+        self.progress = torch.tensor([trainer.progress.step, trainer.progress.position], dtype=torch.int64)
+        self.rng = torch.get_rng_state()
+        self.fresh: dict[int, torch.Tensor] = {}  # AdamW state not created yet (no step taken): zeros
+
+    def local(self, index: int) -> torch.Tensor:
+        t = self.tensors[index]
+        if t.kind == "progress":
+            return self.progress
+        if t.kind == "rng":
+            return self.rng
+        param = self.params[t.name]
+        if t.kind == "param":
+            return _local(param)
+        state = self.state.get(param)
+        if state:
+            return _local(state[t.kind])
+        if index not in self.fresh:
+            self.fresh[index] = torch.zeros(()) if t.kind == "step" else torch.zeros_like(_local(param))
+        return self.fresh[index]
+
+    def release(self, index: int) -> None:
+        t = self.tensors[index]
+        if t.kind in ("param", *MOMENTS):
+            # The old model and optimizer are dropped after the switch; free the bytes now.
+            self.local(index).untyped_storage().resize_(0)
+
+
+class _ModelSink:
+    """The new model's parameters and AdamW state, allocated as the schedule first writes them."""
+
+    def __init__(self, model: nn.Module, space: GPTState, device: torch.device):
+        self.model, self.tensors, self.device = model, space.tensors, device
+        self.optim_state: dict[str, dict[str, torch.Tensor]] = {}
+        self.progress = torch.zeros(2, dtype=torch.int64)
+        self.rng = torch.empty_like(torch.get_rng_state())
+
+    def param(self, fqn: str) -> nn.Parameter:
+        module_name, leaf = fqn.rsplit(".", 1)
+        module = self.model.get_submodule(module_name)
+        if getattr(module, leaf).is_meta:
+            materialize(module, self.device)
+        return getattr(module, leaf)
+
+    def open(self, index: int) -> torch.Tensor:
+        t = self.tensors[index]
+        if t.kind == "progress":
+            return self.progress
+        if t.kind == "rng":
+            return self.rng
+        param = self.param(t.name)
+        if t.kind == "param":
+            return _local(param)
+        # AdamW keeps `step` as a 0-d float32 tensor on the CPU, the moments like the parameter.
+        value = torch.zeros((), dtype=torch.float32) if t.kind == "step" else torch.empty_like(param)
+        self.optim_state.setdefault(t.name, {})[t.kind] = value
+        return _local(value)
+
+
+def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> SwitchReport:
+    """Switch `trainer` to `layout` (a collective: every rank calls it with the same arguments)."""
+    start = time.perf_counter()
+    cfg = trainer.cfg.with_layout(layout)  # refuses a batch the new layout cannot split
+    space = GPTState(cfg.model, cfg.param_dtype)
+    plan = plan_transition(space, trainer.assignment, layout)
+    schedule = build_schedule(plan, budget)
+    plan_seconds = time.perf_counter() - start
+    rank, old = trainer.rank, trainer.assignment
+
+    par = build_parallel(layout, rank, trainer.par.device.type, plan.new.ranks)
+    model = build_stage_skeleton(cfg.model, par, cfg.param_dtype)
+    trainer.drop_runtime()  # the DDP wrapper's buckets and the pipeline schedule go first
+    source, sink = _TrainerSource(trainer, space), _ModelSink(model, space, par.device)
+    stats = execute(schedule, rank, source, sink, par.device)
+
+    optimizer = build_optimizer(model, cfg.optim)
+    for fqn, param in model.named_parameters():
+        state = sink.optim_state[fqn]
+        optimizer.state[param] = {kind: state[kind] for kind in ("step", *MOMENTS)}
+    step, position = (int(v) for v in sink.progress)
+    torch.set_rng_state(sink.rng)
+    trainer.install(cfg, par, plan.new, model, optimizer, step, position)
+
+    extra = stats.peak_bytes - max(stats.old_bytes, stats.new_bytes)
+    worst = torch.tensor([stats.peak_bytes, extra, stats.bytes_received], dtype=torch.int64, device=par.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    worst = worst.tolist()
+    return SwitchReport(
+        step=step,
+        old=str(old),
+        new=str(plan.new),
+        seconds=time.perf_counter() - start,
+        plan_seconds=plan_seconds,
+        bytes_moved=plan.bytes_moved,
+        bytes_kept=plan.bytes_kept,
+        bytes_lower_bound=plan.bytes_lower_bound,
+        bytes_total=plan.bytes_total,
+        max_bytes_received=worst[2],
+        rounds=stats.rounds,
+        budget=budget,
+        peak_mem_bytes=worst[0],
+        extra_mem_bytes=worst[1],
+    )
