@@ -21,6 +21,7 @@ _BENCHES = (
     ("train", "shardshift.cli.bench_train"),
     ("packing", "shardshift.cli.bench_packing"),
     ("collectives", "shardshift.cli.bench_collectives"),
+    ("switch", "shardshift.cli.bench_switch"),
 )
 
 

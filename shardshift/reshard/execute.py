@@ -67,7 +67,7 @@ def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: t
     start = time.perf_counter()
     old_bytes = plan.held_bytes(plan.old_boxes, rank)
     account = _Account(old_bytes)
-    spans = schedule.tensor_rounds()
+    spans = schedule.tensor_rounds
     opens: dict[int, list[int]] = {}
     closes: dict[int, list[int]] = {}
     for tensor, (first, last) in spans.items():
@@ -84,6 +84,7 @@ def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: t
     for index in range(len(schedule.rounds)):
         for tensor in opens.get(index, ()):
             new_local[tensor] = sink.open(tensor)
+            assert tuple(new_local[tensor].shape) == plan.new_boxes[rank][tensor].sizes, plan.tensors[tensor]
             account.add(piece_bytes(plan.new_boxes, tensor))
         sends, recvs, local = schedule.messages(index, rank)
         buffers = [_pack(plan, m, source, device) for m in sends]

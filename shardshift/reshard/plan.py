@@ -5,8 +5,9 @@ layout is planned in three steps, all pure metadata:
 
 1. **Assignment.** Which process takes which coordinate of the new layout. Process p keeps
    ``|old box of p ∩ new box of c|`` bytes of every tensor if it takes coordinate c; the order that
-   keeps the most bytes in place is a linear assignment problem (`choose_ranks`). Ties go to the
-   process's current index, so a switch to the same layout keeps everything.
+   keeps the most bytes in place is a linear assignment problem (`choose_ranks`), restricted to the
+   orders PyTorch's meshes handle correctly (every axis in increasing rank order). Ties keep the
+   current order, so a switch to the same layout keeps everything.
 2. **Sources.** Each process's new box of a tensor is cut by the distinct old boxes of that tensor
    (replicas hold identical boxes; distinct boxes never overlap, which is checked). A piece the
    process already holds is a local copy; any other piece comes from the replica that has been
@@ -96,23 +97,55 @@ def _kept_bytes(tensors: Sequence[LogicalTensor], old: tuple[Box | None, ...], n
     )
 
 
+def axis_orders(layout: Layout) -> list[tuple[int, ...]]:
+    """Rank orders in which every axis of the mesh runs in increasing process rank.
+
+    These are the orders PyTorch 2.13 can use: ``new_group`` sorts a group's ranks, so on a mesh
+    where some axis runs backwards a process's rank in that axis's group differs from its mesh
+    coordinate, and FSDP2 (which shards by group rank) disagrees with DTensor's placement metadata
+    (which uses the coordinate). Each order here comes from nesting the axes differently (any axis
+    may be innermost); the identity comes first.
+    """
+    shape = layout.shape
+    orders: list[tuple[int, ...]] = []
+    for perm in itertools.permutations(range(len(shape))):
+        # Process rank of a coordinate: row-major over the axes taken in the order `perm`.
+        ranks = np.arange(layout.world_size).reshape([shape[a] for a in perm]).transpose(np.argsort(perm))
+        order = tuple(int(r) for r in ranks.reshape(-1))
+        if order not in orders:
+            orders.append(order)
+    return orders
+
+
+def increasing_on_every_axis(layout: Layout, ranks: Sequence[int]) -> bool:
+    mesh = np.asarray(ranks).reshape(layout.shape)
+    return all(np.all(np.diff(mesh, axis=a) > 0) for a, size in enumerate(layout.shape) if size > 1)
+
+
 def choose_ranks(
     space: StateSpace, old: Assignment, layout: Layout, old_held: Holdings | None = None,
     by_coord: Holdings | None = None,
 ) -> Assignment:
-    """The placement of `layout` on the processes that keeps the most bytes where they are."""
+    """The placement of `layout` on the processes that keeps the most bytes where they are.
+
+    Process p keeps ``kept[p, i]`` bytes if it takes coordinate i: maximising the sum is a linear
+    assignment problem. Its optimum is taken when every axis runs in increasing rank order (see
+    `axis_orders`); otherwise the best of the axis orders is. Ties keep the current order.
+    """
     n = layout.world_size
     assert n == old.layout.world_size, "changing the number of processes is not a layout switch"
     old_held = holdings_of(space, old) if old_held is None else old_held
     by_coord = coord_holdings(space, layout) if by_coord is None else by_coord
     kept = np.array([[_kept_bytes(space.tensors, old_held[p], by_coord[i]) for i in range(n)] for p in range(n)])
-    # Integer weights: kept bytes dominate; among equal choices, process p stays at index p.
-    weight = kept.astype(np.float64) * (n + 1) + np.eye(n)
-    procs, coords = linear_sum_assignment(weight, maximize=True)
-    ranks = [0] * n
+    candidates = axis_orders(layout)
+    procs, coords = linear_sum_assignment(kept, maximize=True)
+    best = [0] * n
     for p, i in zip(procs, coords):
-        ranks[i] = int(p)
-    return Assignment(layout, tuple(ranks))
+        best[i] = int(p)
+    if increasing_on_every_axis(layout, best):
+        candidates.append(tuple(best))
+    score = [sum(int(kept[r, i]) for i, r in enumerate(order)) for order in candidates]
+    return Assignment(layout, candidates[score.index(max(score))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +252,8 @@ def plan_transition(
         new = choose_ranks(space, old, layout, old_boxes, by_coord)
     else:
         new = Assignment(layout, tuple(ranks))
+    if not increasing_on_every_axis(layout, new.ranks):
+        raise ValueError(f"rank order {list(new.ranks)} runs backwards along an axis of {layout}; use one of `axis_orders`")
     new_boxes = holdings_of(space, new, by_coord)
     n = layout.world_size
     sent = [0] * n

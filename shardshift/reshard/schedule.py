@@ -1,14 +1,18 @@
 """A transition plan cut into rounds that respect a memory budget and cannot deadlock.
 
-**Budget.** In one round a process sends, receives and copies locally at most `budget` bytes in
-all: its send and receive buffers are at most that, and so is the new storage it fills that round.
-Segments larger than a quarter of the budget are first cut along their outermost dims.
+**Budget.** At no point does a process hold more than max(its old state, its new state) + `budget`
+bytes of state and message buffers (unless one piece alone is bigger than the budget). Rounds are
+closed by keeping the executor's own account of each process's memory (`build_schedule`), and
+segments larger than a quarter of the budget are first cut along their outermost dims.
 
-**Order.** Segments keep the plan's tensor order and rounds are filled greedily in that order, so a
+**Order.** Tensors are taken one after another, and rounds are filled greedily in that order, so a
 tensor's segments occupy a run of consecutive rounds. The executor allocates a tensor's new piece
-at the first round of its run and frees the old piece after the last: at any moment only the tensors
-of the current round hold both an old and a new piece, which bounds the extra memory of a switch by
-the budget plus the one tensor a round boundary can cut.
+at the first round of its run and frees the old piece after the last. The order matters: a process
+that gains some tensors and loses others (a pipeline stage moving, say) would, in a bad order,
+allocate all its gains before freeing any loss. `memory_order` therefore picks, tensor by tensor,
+the next one that keeps every process closest to its allowance, max(old state, new state). Within
+that, only the tensors of the current round hold both an old and a new piece, which bounds the
+extra memory by the budget plus the one tensor a round boundary can cut.
 
 **No deadlock.** Every process derives the same rounds from the same plan. In a round each process
 posts all its receives and sends (one message per peer, every segment for that peer packed into it,
@@ -22,6 +26,7 @@ is the one known to hang.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from shardshift.reshard.plan import Segment, TransitionPlan
 
@@ -59,13 +64,26 @@ class Schedule:
     def __post_init__(self) -> None:
         self.validate()
 
-    def round_load(self, index: int, rank: int) -> int:
-        """Bytes `rank` sends, receives and copies locally in round `index`."""
-        load = 0
-        for seg in self.rounds[index].segments:
-            nbytes = self.plan.segment_bytes(seg)
-            load += nbytes * ((seg.src == rank) + (seg.dst == rank and not seg.local))
-        return load
+    def memory_peaks(self, rank: int) -> list[int]:
+        """Per round, the most bytes above its old state `rank` holds (the executor's account)."""
+        return [peak for _, peak in self._memory(rank)]
+
+    def _memory(self, rank: int) -> list[tuple[int, int]]:
+        """Per round: (bytes above the old state at its start, the most during it)."""
+        plan, out, level = self.plan, [], 0
+        opens: dict[int, int] = {}
+        frees: dict[int, int] = {}
+        for t, (first, last) in self.tensor_rounds.items():
+            new, old = plan.new_boxes[rank][t], plan.old_boxes[rank][t]
+            opens[first] = opens.get(first, 0) + (0 if new is None else new.numel * plan.tensors[t].itemsize)
+            frees[last] = frees.get(last, 0) + (0 if old is None else old.numel * plan.tensors[t].itemsize)
+        for index in range(len(self.rounds)):
+            sends, recvs, _ = self.messages(index, rank)
+            start = level
+            level += opens.get(index, 0)
+            out.append((start, level + sum(m.nbytes for m in sends) + sum(m.nbytes for m in recvs)))
+            level -= frees.get(index, 0)
+        return out
 
     def messages(self, index: int, rank: int) -> tuple[list[Message], list[Message], list[Segment]]:
         """(messages `rank` sends, messages it receives, its local copies) in round `index`."""
@@ -87,6 +105,17 @@ class Schedule:
             (sends if src == rank else recvs).append(message)
         return sends, recvs, local
 
+    def _first_cost(self, index: int, rank: int) -> int:
+        """What the first segment of round `index` costs `rank`: the pieces it opens, its buffers."""
+        seg = self.rounds[index].segments[0]
+        opened = self.tensor_rounds[seg.tensor][0] < index
+        box = self.plan.new_boxes[rank][seg.tensor]
+        cost = 0 if opened or box is None else box.numel * self.plan.tensors[seg.tensor].itemsize
+        if not seg.local and rank in (seg.src, seg.dst):
+            cost += align(self.plan.segment_bytes(seg))
+        return cost
+
+    @functools.cached_property
     def tensor_rounds(self) -> dict[int, tuple[int, int]]:
         """For every tensor with segments: (first round, last round) of its run."""
         spans: dict[int, tuple[int, int]] = {}
@@ -100,37 +129,126 @@ class Schedule:
         flat = [seg for rnd in self.rounds for seg in rnd.segments]
         covered = sum(seg.box.numel for seg in flat)
         assert covered == sum(seg.box.numel for seg in self.plan.segments), "rounds lose or add elements"
-        for index in range(len(self.rounds)):
-            for rank in range(self.plan.world_size):
-                load = self.round_load(index, rank)
-                single = len(self.rounds[index].segments) == 1
-                assert load <= self.budget or single, f"round {index} loads rank {rank} with {load} bytes"
-        order = [seg.tensor for seg in flat]
-        assert order == sorted(order), "rounds must keep the plan's tensor order"
+        # The budget rule: a round stays within each process's limit, except that its first segment
+        # is taken even when it alone goes over (a piece bigger than what is left of the budget);
+        # then nothing more for that process joins the round.
+        for rank in range(self.plan.world_size):
+            limit = _allowance(self.plan, rank) + self.budget
+            for index, (start, peak) in enumerate(self._memory(rank)):
+                first = self._first_cost(index, rank)
+                assert peak <= max(limit, start + first), f"round {index} takes rank {rank} to {peak} > {limit}"
+        seen, previous = set(), None
+        for seg in flat:
+            if seg.tensor != previous:
+                assert seg.tensor not in seen, f"tensor {seg.tensor}'s segments are not one run"
+                seen.add(seg.tensor)
+                previous = seg.tensor
 
 
 def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Schedule:
+    """Cut `plan` into rounds; every process stays within max(old, new) + `budget` bytes.
+
+    The builder keeps, for every process, the account the executor will keep: new pieces are
+    allocated at the first round of their tensor, buffers live for one round, old pieces are freed
+    at the end of their tensor's last round. A round closes when one more segment would take some
+    process above its limit; a segment that alone exceeds it (a piece bigger than the budget) gets a
+    round of its own.
+    """
     if budget < MIN_BUDGET:
         raise ValueError(f"--switch-budget {budget} bytes is too small; give at least {MIN_BUDGET} (4K)")
+    n = plan.world_size
     cap = max(1, budget // 4)
+    old_piece, new_piece = _piece_bytes(plan, plan.old_boxes), _piece_bytes(plan, plan.new_boxes)
+    limit = [_allowance(plan, r) + budget for r in range(n)]
+    by_tensor: dict[int, list[Segment]] = {}
+    for seg in plan.segments:
+        by_tensor.setdefault(seg.tensor, []).append(seg)
+
     rounds: list[Round] = []
     current: list[Segment] = []
-    load = [0] * plan.world_size
-    for seg in plan.segments:
-        itemsize = plan.tensors[seg.tensor].itemsize
-        for box in seg.box.split(itemsize, cap):
-            piece = Segment(seg.tensor, seg.src, seg.dst, box)
-            nbytes = box.numel * itemsize
-            ranks = (seg.dst,) if seg.local else (seg.src, seg.dst)
-            if current and any(load[r] + nbytes > budget for r in ranks):
-                rounds.append(Round(tuple(current)))
-                current, load = [], [0] * plan.world_size
-            current.append(piece)
-            for r in ranks:
-                load[r] += nbytes
-    if current:
+    level = [0] * n  # bytes above the old state held at the start of the current round
+    opened, buffers, freeing = [0] * n, [0] * n, [0] * n  # within the current round
+    started: set[int] = set()
+
+    def close() -> None:
         rounds.append(Round(tuple(current)))
+        current.clear()
+        for r in range(n):
+            level[r] += opened[r] - freeing[r]
+            opened[r] = buffers[r] = freeing[r] = 0
+
+    for t in memory_order(plan):
+        itemsize = plan.tensors[t].itemsize
+        for seg in by_tensor.get(t, ()):
+            for box in seg.box.split(itemsize, cap):
+                nbytes = align(box.numel * itemsize)  # as packed in a message
+                cost = [0] * n
+                if t not in started:
+                    cost = list(new_piece[t])
+                if not seg.local:
+                    cost[seg.src] += nbytes
+                    cost[seg.dst] += nbytes
+                if current and any(c and level[r] + opened[r] + buffers[r] + c > limit[r] for r, c in enumerate(cost)):
+                    close()
+                if t not in started:
+                    started.add(t)
+                    for r in range(n):
+                        opened[r] += new_piece[t][r]
+                if not seg.local:
+                    buffers[seg.src] += nbytes
+                    buffers[seg.dst] += nbytes
+                current.append(Segment(t, seg.src, seg.dst, box))
+        for r in range(n):  # the tensor is done: its old pieces go at the end of this round
+            freeing[r] += old_piece[t][r]
+    if current:
+        close()
     return Schedule(plan, budget, tuple(rounds))
+
+
+def _piece_bytes(plan: TransitionPlan, boxes) -> list[list[int]]:
+    """[tensor][process] bytes of the piece each process holds (0 for none)."""
+    return [
+        [0 if boxes[r][t] is None else boxes[r][t].numel * tensor.itemsize for r in range(plan.world_size)]
+        for t, tensor in enumerate(plan.tensors)
+    ]
+
+
+def _allowance(plan: TransitionPlan, rank: int) -> int:
+    """How far above its old state a process may go without exceeding max(old, new)."""
+    return max(plan.held_bytes(plan.new_boxes, rank) - plan.held_bytes(plan.old_boxes, rank), 0)
+
+
+def memory_order(plan: TransitionPlan) -> list[int]:
+    """An order of the tensors that keeps each process's state near max(old, new) throughout.
+
+    Process r starts at its old state and, after tensor T, holds ``new[T, r] - old[T, r]`` more;
+    while T is being moved it holds both pieces. Greedily, the next tensor is the one whose move
+    leaves the worst process least above its allowance ``max(old, new) - old``. Tensors with the same
+    pattern of pieces across processes keep their relative order, and only the first waiting tensor
+    of each pattern is a candidate, so this is fast for any model.
+    """
+    n = plan.world_size
+    old_piece, new_piece = _piece_bytes(plan, plan.old_boxes), _piece_bytes(plan, plan.new_boxes)
+    size = {t: list(zip(old_piece[t], new_piece[t])) for t in range(len(plan.tensors))}
+    allowance = [_allowance(plan, r) for r in range(n)]
+    queues: dict[tuple, list[int]] = {}
+    for t in range(len(plan.tensors)):
+        pattern = tuple((old > 0, new > 0, new > old) for old, new in size[t])
+        queues.setdefault(pattern, []).append(t)
+    heads = {pattern: 0 for pattern in queues}
+    level = [0] * n  # bytes above the old state, per process
+    order = []
+    while len(order) < len(plan.tensors):
+        def excess(t):
+            return max(level[r] + size[t][r][1] - allowance[r] for r in range(n))
+
+        waiting = [(queues[p][i], p) for p, i in heads.items() if i < len(queues[p])]
+        t, pattern = min(waiting, key=lambda item: (excess(item[0]), item[0]))
+        heads[pattern] += 1
+        order.append(t)
+        for r in range(n):
+            level[r] += size[t][r][1] - size[t][r][0]
+    return order
 
 
 def parse_size(text: str) -> int:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shardshift.layout import AXES, Coord, Layout
+from shardshift.reshard.plan import increasing_on_every_axis
 from shardshift.train.model import GPT, ModelConfig, init_value
 from shardshift.train.state import TP_STYLES, stage_blocks, uses_fsdp
 
@@ -85,6 +86,9 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     """
     ranks = tuple(range(layout.world_size)) if ranks is None else tuple(ranks)
     assert sorted(ranks) == list(range(layout.world_size)), ranks
+    # FSDP2 shards by a process's rank in the axis group, which `new_group` sorts: the mesh must
+    # run in increasing rank order along every axis for that to match DTensor's coordinates.
+    assert increasing_on_every_axis(layout, ranks), f"rank order {ranks} runs backwards on an axis"
     if ranks == tuple(range(layout.world_size)):
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
     else:

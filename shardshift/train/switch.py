@@ -38,7 +38,7 @@ from shardshift.train.state import MOMENTS, GPTState
 class SwitchReport:
     """One switch, as every rank saw it (byte and memory figures: the worst rank where per rank)."""
 
-    step: int  # optimizer steps taken when it happened
+    step: int  # the first step run under the new layout (1-based, as in the logs)
     old: str
     new: str  # the new layout, with its rank order when it is not the identity
     seconds: float  # from the call to the first step's readiness, on this rank
@@ -171,7 +171,7 @@ def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Swi
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst = worst.tolist()
     return SwitchReport(
-        step=step,
+        step=step + 1,
         old=str(old),
         new=str(plan.new),
         seconds=time.perf_counter() - start,

@@ -1,0 +1,267 @@
+"""A layout switch four ways, measured side by side in the same run, one transition at a time.
+
+One trainer walks a chain of layouts L0 → L1 → … on the bench's processes. It takes one step under
+L0 first, so AdamW state exists. For each transition A → B, at a step boundary, in this order:
+
+1. **Link rate.** Every rank posts, at once, an ``isend`` of `p2p_bytes` to every other rank and an
+   ``irecv`` of as much from every other rank, on the job's default group, then waits on all: the
+   concurrent all-pairs pattern a switch round uses. The rate is the bytes one rank receives
+   ((n-1) × `p2p_bytes`) ÷ the slowest rank's time; the best of `p2p_reps` timed runs after one
+   warm-up.
+2. **DCP save** (``dcp_save_seconds``): `checkpoint.save` of the trainer under A into a temporary
+   directory on local disk, barrier to barrier.
+3. **Restart** (``restart_seconds``, rank 0 only; skipped with `restart=False`): rank 0 starts
+   ``python -m shardshift train --nproc N --layout B --resume DIR --stop-at step+1`` (the local
+   launcher: N fresh worker processes, fresh imports, a fresh process group, a trainer built under
+   B, DCP load) and reads its output. The other ranks wait in a barrier, blocked in gloo, not
+   spinning, so the fresh job has the cores. ``restart_seconds`` = the DCP save of step 2 + the time
+   from spawning the job until its rank 0 *starts* its first step (the moment its first step's line
+   appears, less that step's own ``step_time_s`` from the job's metrics file): the time until training
+   resumes, as for the switch. The first step itself is ``restart_step_seconds``; the job's whole
+   life, exit included, is ``restart_job_seconds``.
+4. **Online switch** (``switch_seconds``): `Trainer.switch(B, budget)` after a barrier, the slowest
+   rank's `SwitchReport.seconds`: planning, building B's model and meshes, moving every byte,
+   building the optimizer and the pipeline schedule; ready for the next step.
+5. **DCP load** (``dcp_load_seconds``): a fresh trainer is built under B with the same rank order
+   the switch chose (``dcp_build_seconds``, not counted: the switch's column includes building its
+   own model, but a DCP resume could build its model on the meta device and skip the random
+   initialisation a `Trainer` does), then `checkpoint.load` fills it, barrier to barrier. Its state
+   is compared with the switched trainer's, bit for bit (``state_mismatches``: tensors that differ,
+   over all ranks; 0 is the only correct value). The fresh trainer and the checkpoint are then
+   dropped.
+6. One training step on the switched trainer (``step_after_seconds``, not part of any column), to
+   show that training goes on.
+
+``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
+restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
+can finish before its busiest receiver has taken its bytes in at the rate the links give when every
+pair is busy. Local copies (``bytes_kept``) are not counted in it. Every time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from shardshift.layout import Layout
+from shardshift.train import checkpoint
+from shardshift.train.config import TrainConfig
+from shardshift.train.data import load_tokens
+from shardshift.train.trainer import Trainer
+
+# Environment a launcher sets for its workers; the restart job must not inherit it, or its
+# `shardshift train` would take itself for a worker of the bench's job.
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDSHIFT_STORE", "MASTER_ADDR", "MASTER_PORT")
+_P2P_TAG = 1 << 20  # above any switch round's tag
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    budget: int  # bytes per switch round (see reshard/schedule.py)
+    p2p_bytes: int  # message size of the link-rate measurement, per ordered pair
+    p2p_reps: int = 3  # timed runs of the link-rate measurement (the best is kept)
+    restart: bool = True  # measure the checkpoint-and-restart column
+    timeout_s: float = 600.0  # the run's collective timeout; the restart job gets 90% of it
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    seconds: float  # spawn -> its rank 0 starts the first step (without the save)
+    step_seconds: float  # that first step
+    job_seconds: float  # spawn -> exit
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn, device: torch.device):
+    """(fn(), the slowest rank's seconds), all ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    dist.barrier()
+    return result, _max_over_ranks(time.perf_counter() - start, device)
+
+
+def link_rate(nbytes: int, reps: int, device: torch.device) -> float:
+    """Bytes per second one rank receives when every ordered pair exchanges `nbytes` at once."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peers = [p for p in range(world) if p != rank]
+    send = torch.full((nbytes,), rank, dtype=torch.uint8, device=device)
+    inbox = {p: torch.empty(nbytes, dtype=torch.uint8, device=device) for p in peers}
+    best = float("inf")
+    for rep in range(reps + 1):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        # Receives first, then sends, all posted before any wait: as a switch round posts them.
+        works = [dist.irecv(inbox[p], src=p, tag=_P2P_TAG + rep) for p in peers]
+        works += [dist.isend(send, dst=p, tag=_P2P_TAG + rep) for p in peers]
+        for work in works:
+            work.wait()
+        seconds = _max_over_ranks(time.perf_counter() - start, device)
+        if rep:
+            best = min(best, seconds)
+    for p, buf in inbox.items():  # a rate measured on garbage would be no rate
+        assert int(buf[0]) == p and int(buf[-1]) == p, f"rank {rank} received wrong bytes from {p}"
+    return (world - 1) * nbytes / best
+
+
+def _local_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every piece of state this rank holds, by logical name, as local tensors (not copies)."""
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t.detach()
+
+    out = {}
+    for fqn, param in trainer.model.named_parameters():
+        out[f"param:{fqn}"] = local(param)
+        for kind, value in trainer.optimizer.state[param].items():
+            out[f"{kind}:{fqn}"] = local(value)
+    out["progress"] = torch.tensor([trainer.progress.step, trainer.progress.position])
+    return out
+
+
+def _mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
+    """Names whose tensors are not bit-identical (dtype, shape, every byte), or not in both."""
+    def raw(x):
+        return x.reshape(-1).view(torch.uint8)
+
+    bad = len(set(a) ^ set(b))
+    for key in set(a) & set(b):
+        x, y = a[key], b[key]
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(raw(x), raw(y)):
+            bad += 1
+    return bad
+
+
+def _restart(cfg: TrainConfig, layout: Layout, path: Path, step: int, nproc: int, timeout_s: float, work: Path) -> Restart:
+    """Run `shardshift train --resume` under `layout` for one step, as a fresh job (rank 0 only)."""
+    metrics, log = work / "restart-metrics.jsonl", work / "restart-stderr.txt"
+    metrics.unlink(missing_ok=True)
+    argv = [
+        sys.executable, "-m", "shardshift", "train", "--nproc", str(nproc), "--layout", str(layout),
+        "--model", cfg.model_name, "--dtype", cfg.dtype, "--global-batch", str(cfg.global_batch),
+        "--seed", str(cfg.seed), "--steps", str(cfg.steps), "--stop-at", str(step + 1),
+        "--lr", repr(cfg.optim.lr), "--warmup", str(cfg.optim.warmup_steps),
+        "--grad-clip", repr(cfg.optim.grad_clip), "--resume", str(path), "--metrics", str(metrics),
+        "--timeout", repr(timeout_s),
+    ]
+    if not cfg.auto_micro_batches:
+        argv += ["--micro-batches", str(cfg.micro_batches)]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    with open(log, "w") as err:
+        start = time.perf_counter()
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True)
+        watchdog = threading.Timer(timeout_s, job.terminate)  # its launcher then stops its workers
+        watchdog.start()
+        first_line = None
+        try:
+            for line in job.stdout:
+                if first_line is None and line.startswith("step "):
+                    first_line = time.perf_counter() - start
+            code = job.wait()
+        finally:
+            watchdog.cancel()
+        job_seconds = time.perf_counter() - start
+    if code != 0 or first_line is None or not metrics.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"the restart job {' '.join(argv[2:])} exited with code {code} "
+                           f"without finishing a step; its last output:\n{tail}")
+    step_seconds = json.loads(metrics.read_text().splitlines()[0])["step_time_s"]
+    return Restart(first_line - step_seconds, step_seconds, job_seconds)
+
+
+def run_switch_bench(cfg: TrainConfig, chain: list[Layout], rank: int, device_type: str, opts: BenchOptions) -> list[dict]:
+    """Walk `chain` (cfg.layout == chain[0]); one record per transition, complete on rank 0."""
+    assert cfg.layout == chain[0]
+    world = dist.get_world_size()
+    tokens = load_tokens(cfg.data)
+    trainer = Trainer(cfg, rank, device_type, tokens=tokens)
+    device = trainer.par.device
+    trainer.train_step()  # AdamW state exists from here on
+    root = [tempfile.mkdtemp(prefix="shardshift-bench-switch-") if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    root = Path(root[0])
+    records = []
+    try:
+        for before, after in zip(chain, chain[1:]):
+            assert trainer.cfg.layout == before
+            rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device)
+            path, save_s = _timed(lambda: checkpoint.save(trainer, str(root / "ckpt")), device)
+            restart = None
+            if opts.restart:
+                if rank == 0:
+                    restart = _restart(trainer.cfg.with_layout(after), after, path, trainer.progress.step,
+                                       world, 0.9 * opts.timeout_s, root)
+                dist.barrier()  # the other ranks wait here, idle, while the fresh job runs
+
+            steps_taken = trainer.progress.step
+            dist.barrier()
+            report = trainer.switch(after, opts.budget)
+            switch_s = _max_over_ranks(report.seconds, device)
+            switched, rng = _local_state(trainer), torch.get_rng_state()
+
+            def build():  # `Trainer` seeds the global generator; the load below restores it
+                return Trainer(trainer.cfg, rank, device_type, tokens=tokens, ranks=trainer.par.ranks)
+
+            reference, build_s = _timed(build, device)
+            _, load_s = _timed(lambda: checkpoint.load(reference, path), device)
+            bad = _mismatches(switched, _local_state(reference)) + int(not torch.equal(rng, torch.get_rng_state()))
+            bad = torch.tensor([bad], device=device)
+            dist.all_reduce(bad)
+            del reference, switched
+            gc.collect()
+            if rank == 0:
+                shutil.rmtree(path)
+            dist.barrier()
+
+            result, step_s = _timed(trainer.train_step, device)
+            limit_s = report.max_bytes_received / rate
+            records.append({
+                "from": str(before),
+                "to": str(after),
+                "placed": report.new,  # the new layout and the rank order the switch chose
+                "steps_taken": steps_taken,  # optimizer steps before the switch
+                "switch_seconds": switch_s,
+                "plan_seconds": report.plan_seconds,
+                "dcp_seconds": save_s + load_s,
+                "dcp_save_seconds": save_s,
+                "dcp_load_seconds": load_s,
+                "dcp_build_seconds": build_s,
+                "restart_seconds": None if restart is None else save_s + restart.seconds,
+                "restart_step_seconds": None if restart is None else restart.step_seconds,
+                "restart_job_seconds": None if restart is None else restart.job_seconds,
+                "limit_seconds": limit_s,
+                "link_bytes_per_s": rate,
+                "bytes_moved": report.bytes_moved,
+                "bytes_kept": report.bytes_kept,
+                "bytes_lower_bound": report.bytes_lower_bound,
+                "bytes_total": report.bytes_total,
+                "max_bytes_received": report.max_bytes_received,
+                "rounds": report.rounds,
+                "budget": report.budget,
+                "peak_mem_bytes": report.peak_mem_bytes,
+                "extra_mem_bytes": report.extra_mem_bytes,
+                "state_mismatches": int(bad),
+                "step_after_seconds": step_s,
+                "loss_after": result.loss,
+            })
+    finally:
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return records
