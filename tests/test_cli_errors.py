@@ -29,6 +29,15 @@ from shardshift.cli.main import main
         (["--resume", "/nonexistent/ckpt"], "--resume /nonexistent/ckpt: no such directory"),
         (["--data", "/nonexistent/text.txt"], "--data /nonexistent/text.txt: no such file"),
         (["--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["--switch", "fsdp=4"], "--switch 'fsdp=4' is not STEP:LAYOUT"),
+        (["--switch", "10:dp=2"], "--switch 10:dp=2 has 2 ranks but the job has 4"),
+        (["--switch", "10:tp=3,dp=1"], "unknown axis|has 3 ranks"),
+        (["--switch", "10:pp=4", "--global-batch", "4"], "--switch 10:pp=4: .*micro-batches|--switch 10:pp=4"),
+        (["--switch", "60:fsdp=4"], "switch steps must increase and lie in \\[1, --steps 50\\]"),
+        (["--switch", "20:fsdp=4", "--switch", "10:dp=4"], "switch steps must increase"),
+        (["--nproc", "3", "--layout", "dp=3", "--global-batch", "3", "--switch", "10:tp=3"],
+         "--switch 10:tp=3: tp=3 does not divide n_head=8"),
+        (["--switch-budget", "1K"], "--switch-budget 1024 bytes is too small"),
     ],
 )
 def test_invalid_input_is_refused_before_any_process_starts(args, needle, capsys, monkeypatch):

@@ -10,6 +10,9 @@ from shardshift.runtime import in_worker, process_from_env
 
 
 DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)
+# The default run (no --layout, no --switch) shows online switching: a pipeline from 40% of the
+# steps, plain FSDP from 70%.
+DEFAULT_SWITCHES = ((0.4, Layout(tp=2, pp=2)), (0.7, Layout(fsdp=4)))
 
 
 def register(subparsers) -> None:
@@ -39,11 +42,35 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from, under any layout")
     p.add_argument("--metrics", default=None, help="JSONL file: one object per step")
     p.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
+    p.add_argument("--switch", action="append", default=None, metavar="STEP:LAYOUT",
+                   help="switch the layout online, in the running processes, before step STEP "
+                        "(repeatable), e.g. --switch 20:tp=2,pp=2; the default run switches twice")
+    p.add_argument("--switch-budget", default="256M",
+                   help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+
+
+def parse_switch(text: str) -> tuple[int, Layout]:
+    step, sep, layout = text.partition(":")
+    if not sep or not step.strip().isdigit():
+        raise ValueError(f"--switch {text!r} is not STEP:LAYOUT; write e.g. --switch 20:tp=2,pp=2")
+    return int(step), Layout.parse(layout)
+
+
+def _switches(args: argparse.Namespace) -> tuple[tuple[int, Layout], ...]:
+    if args.switch is not None:
+        return tuple(parse_switch(text) for text in args.switch)
+    if args.layout is not None or (args.nproc not in (None, DEFAULT_LAYOUT.world_size)):
+        return ()
+    steps = [max(2, round(fraction * args.steps) + 1) for fraction, _ in DEFAULT_SWITCHES]
+    return tuple(
+        (step, layout) for step, (_, layout) in zip(steps, DEFAULT_SWITCHES) if step <= args.steps
+    ) if len(set(steps)) == len(steps) else ()
 
 
 def config_from_args(args: argparse.Namespace, layout: Layout):
     """Build and validate the run's configuration; raises ValueError with what to change."""
+    from shardshift.reshard.schedule import parse_size
     from shardshift.train.config import OptimConfig, TrainConfig, model_config
 
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, grad_clip=args.grad_clip)
@@ -64,6 +91,8 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         resume=args.resume,
         metrics=args.metrics,
         log_every=args.log_every,
+        switches=_switches(args),
+        switch_budget=parse_size(args.switch_budget),
     )
 
 
@@ -105,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         layout = _layout(args, nproc)
         nproc = layout.world_size if nproc is None else nproc
         layout.check_world(nproc)
-        cfg = config_from_args(args, layout)
+        cfg = config_from_args(args, layout)  # also checks every --switch layout against the job
         if not in_worker():
             _check_before_launch(cfg)
     except ValueError as err:

@@ -9,6 +9,7 @@ import math
 import torch
 
 from shardshift.layout import Layout
+from shardshift.reshard.schedule import DEFAULT_BUDGET, MIN_BUDGET
 from shardshift.train.model import PRESETS, ModelConfig
 from shardshift.train.state import check_layout
 
@@ -63,6 +64,9 @@ class TrainConfig:
     resume: str | None = None  # checkpoint directory (or one checkpoint in it) to resume from
     metrics: str | None = None  # JSONL file that rank 0 appends one object per step to
     log_every: int = 1
+    # Online layout switches: (step, layout) switches before that step (1-based) runs.
+    switches: tuple[tuple[int, Layout], ...] = ()
+    switch_budget: int = DEFAULT_BUDGET  # bytes a switch may hold beyond max(old state, new state)
     auto_micro_batches: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,11 +89,33 @@ class TrainConfig:
             object.__setattr__(self, "micro_batches", 2 * self.layout.pp if self.layout.pp > 1 else 1)
         check_layout(self.layout, self.model)
         self.check_batch(self.layout)
+        self._check_switches()
+
+    def _check_switches(self) -> None:
+        previous = 0
+        for step, layout in self.switches:
+            if not previous < step <= self.steps:
+                raise ValueError(
+                    f"--switch {step}:{layout}: switch steps must increase and lie in [1, --steps {self.steps}]"
+                )
+            if layout.world_size != self.layout.world_size:
+                raise ValueError(
+                    f"--switch {step}:{layout} has {layout.world_size} ranks but the job has "
+                    f"{self.layout.world_size}; choose degrees whose product is {self.layout.world_size}"
+                )
+            try:
+                check_layout(layout, self.model)
+                self.with_layout(layout)
+            except ValueError as err:
+                raise ValueError(f"--switch {step}:{layout}: {err}") from None
+            previous = step
+        if self.switch_budget < MIN_BUDGET:
+            raise ValueError(f"--switch-budget {self.switch_budget} bytes is too small; give at least 4K")
 
     def with_layout(self, layout: Layout) -> "TrainConfig":
         """This configuration under another layout; ValueError if the model or batch cannot take it."""
         micro = 0 if self.auto_micro_batches else self.micro_batches
-        return dataclasses.replace(self, layout=layout, micro_batches=micro)
+        return dataclasses.replace(self, layout=layout, micro_batches=micro, switches=())
 
     def check_batch(self, layout: Layout) -> None:
         """The batch splits evenly among data ranks and, under pp, into micro-batches."""

@@ -34,6 +34,19 @@ def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
         metrics.flush()
 
 
+def _report_switch(report, metrics) -> None:
+    print(
+        f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s: "
+        f"moved {report.bytes_moved / 2**20:.1f} MiB (the bound), kept {report.bytes_kept / 2**20:.1f} MiB "
+        f"in place, {report.rounds} rounds, peak {report.peak_mem_bytes / 2**20:.1f} MiB "
+        f"(+{report.extra_mem_bytes / 2**20:.1f} MiB over max(old, new))",
+        flush=True,
+    )
+    if metrics is not None:
+        metrics.write(json.dumps(report.event()) + "\n")
+        metrics.flush()
+
+
 def run_training(cfg: TrainConfig, timeout_s: float) -> int:
     proc = init_distributed(timeout_s)
     try:
@@ -51,11 +64,17 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
                 f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
                 flush=True,
             )
+        switches = dict(cfg.switches)
         try:
             while trainer.progress.step < cfg.stop_at:
+                upcoming = trainer.progress.step + 1
+                if upcoming in switches:
+                    report = trainer.switch(switches[upcoming], cfg.switch_budget)
+                    if proc.rank == 0:
+                        _report_switch(report, metrics)
                 result = trainer.train_step()
                 if proc.rank == 0:
-                    _report(cfg, result, metrics)
+                    _report(trainer.cfg, result, metrics)
                 step = trainer.progress.step
                 if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
                     path = checkpoint.save(trainer, cfg.save)
