@@ -34,12 +34,19 @@ def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
         metrics.flush()
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def _report_switch(report, metrics) -> None:
     print(
         f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s: "
-        f"moved {report.bytes_moved / 2**20:.1f} MiB (the bound), kept {report.bytes_kept / 2**20:.1f} MiB "
-        f"in place, {report.rounds} rounds, peak {report.peak_mem_bytes / 2**20:.1f} MiB "
-        f"(+{report.extra_mem_bytes / 2**20:.1f} MiB over max(old, new))",
+        f"moved {_size(report.bytes_moved)} (lower bound {_size(report.bytes_lower_bound)}), kept "
+        f"{_size(report.bytes_kept)} in place, {report.rounds} round(s), peak {_size(report.peak_mem_bytes)} "
+        f"per rank, {_size(report.extra_mem_bytes)} over max(old, new) (budget {_size(report.budget)})",
         flush=True,
     )
     if metrics is not None:

@@ -41,7 +41,7 @@ class SwitchReport:
     step: int  # the first step run under the new layout (1-based, as in the logs)
     old: str
     new: str  # the new layout, with its rank order when it is not the identity
-    seconds: float  # from the call to the first step's readiness, on this rank
+    seconds: float  # from the call until the trainer is ready for its next step, slowest rank
     plan_seconds: float
     bytes_moved: int  # over all ranks
     bytes_kept: int  # copied locally, over all ranks
@@ -52,6 +52,7 @@ class SwitchReport:
     budget: int
     peak_mem_bytes: int  # the most state + buffers any rank held during the switch
     extra_mem_bytes: int  # the most any rank held beyond max(its old state, its new state)
+    device_peak_bytes: int | None = None  # on CUDA: the caching allocator's peak, worst rank
 
     def event(self) -> dict:
         return {
@@ -70,6 +71,7 @@ class SwitchReport:
             "budget": self.budget,
             "peak_mem_bytes": self.peak_mem_bytes,
             "extra_mem_bytes": self.extra_mem_bytes,
+            "device_peak_bytes": self.device_peak_bytes,
         }
 
 
@@ -144,7 +146,10 @@ class _ModelSink:
 
 def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> SwitchReport:
     """Switch `trainer` to `layout` (a collective: every rank calls it with the same arguments)."""
-    start = time.perf_counter()
+    start, start_ns = time.perf_counter(), time.perf_counter_ns()
+    on_cuda = trainer.par.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
     cfg = trainer.cfg.with_layout(layout)  # refuses a batch the new layout cannot split
     space = GPTState(cfg.model, cfg.param_dtype)
     plan = plan_transition(space, trainer.assignment, layout)
@@ -167,14 +172,17 @@ def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Swi
     trainer.install(cfg, par, plan.new, model, optimizer, step, position)
 
     extra = stats.peak_bytes - max(stats.old_bytes, stats.new_bytes)
-    worst = torch.tensor([stats.peak_bytes, extra, stats.bytes_received], dtype=torch.int64, device=par.device)
+    device_peak = torch.cuda.max_memory_allocated() if on_cuda else 0
+    elapsed_ns = time.perf_counter_ns() - start_ns
+    figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, elapsed_ns]
+    worst = torch.tensor(figures, dtype=torch.int64, device=par.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst = worst.tolist()
     return SwitchReport(
         step=step + 1,
         old=str(old),
         new=str(plan.new),
-        seconds=time.perf_counter() - start,
+        seconds=worst[4] / 1e9,
         plan_seconds=plan_seconds,
         bytes_moved=plan.bytes_moved,
         bytes_kept=plan.bytes_kept,
@@ -185,4 +193,5 @@ def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Swi
         budget=budget,
         peak_mem_bytes=worst[0],
         extra_mem_bytes=worst[1],
+        device_peak_bytes=worst[3] if on_cuda else None,
     )
