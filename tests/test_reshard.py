@@ -90,7 +90,7 @@ def _valid(cfg, world):
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=models, world=st.sampled_from([4, 6, 8]), data=st.data(),
        budget=st.sampled_from([4 << 10, 16 << 10, 1 << 20]))
 def test_plan_moves_every_element_exactly_where_it_belongs(cfg, world, data, budget):
@@ -119,7 +119,7 @@ def test_plan_moves_every_element_exactly_where_it_belongs(cfg, world, data, bud
             assert np.array_equal(returned[rank][t], original[rank][t])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=models, data=st.data(), scale=st.sampled_from([4, 16]))
 def test_memory_stays_within_the_budget(cfg, data, scale):
     """With a budget of a few pieces, no rank exceeds max(old, new) + budget + one piece."""
