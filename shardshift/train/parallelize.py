@@ -160,12 +160,13 @@ def init_local_shards(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             param.copy_(full)
 
 
-def wrap_for_training(model: nn.Module, par: Parallel) -> nn.Module:
+def wrap_for_training(model: nn.Module, par: Parallel, sync: bool = True) -> nn.Module:
     """The module that runs forward and backward: a DDP wrapper under pure replication, else `model`.
 
     The wrapper shares `model`'s parameters; state (checkpoints, switching) is always read from
-    `model` itself, whose parameter names are the same in every layout.
+    `model` itself, whose parameter names are the same in every layout. `sync=False` skips DDP's
+    broadcast of every parameter from rank 0, for replicas already bit-identical (after a switch).
     """
     if not par.replicate_only:
         return model
-    return DistributedDataParallel(model, process_group=par.mesh["dp"].get_group())
+    return DistributedDataParallel(model, process_group=par.mesh["dp"].get_group(), init_sync=sync)

@@ -84,7 +84,7 @@ class Trainer:
         assert par.ranks == assignment.ranks and cfg.layout == assignment.layout
         self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
         self.progress = Progress(step=step, position=position)
-        self.module = wrap_for_training(model, par)
+        self.module = wrap_for_training(model, par, sync=False)  # the switch made replicas identical
         self.schedule = self._build_schedule() if cfg.layout.pp > 1 else None
 
     def _build_schedule(self) -> Schedule1F1B:
