@@ -23,7 +23,7 @@ from shardshift.train.trainer import Trainer
 from test_train_equivalence import ATOL, full_parameters
 
 STEPS, SAVE_AT = 6, 3
-PAIRS = [("fsdp=2,tp=2", "pp=2,dp=2"), ("pp=4", "fsdp=4"), ("dp=2,tp=2", "pp=2,fsdp=2")]
+PAIRS = [("fsdp=2,tp=2", "pp=2,dp=2"), ("pp=4", "fsdp=4"), ("dp=2,tp=2", "pp=2,fsdp=2"), ("tp=2,pp=2", "pp=4")]
 
 
 def _config(text: str) -> TrainConfig:

@@ -20,12 +20,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardshift.train.trainer import Trainer
 
 META_FILE = "shardshift.json"
 _DCP_METADATA = ".metadata"  # written last by DCP: its presence marks a complete checkpoint
+# Optimizer hyperparameters are stored per parameter name ("param_groups.<fqn>.lr"), not as one
+# list of groups: DCP writes a replicated object from one rank only, and under pp that rank's
+# groups would name only its own stage's parameters, leaving other stages nothing to load.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoint_dir(root: str, step: int) -> Path:
@@ -50,7 +54,7 @@ def read_meta(path: Path) -> dict:
 
 
 def _state(trainer: Trainer) -> dict:
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
     progress = torch.tensor([trainer.progress.step, trainer.progress.position], dtype=torch.int64)
     return {"model": model_sd, "optim": optim_sd, "progress": progress, "rng": torch.get_rng_state()}
 
@@ -80,7 +84,8 @@ def load(trainer: Trainer, path: Path) -> None:
     state = _state(trainer)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        options=_OPTIONS,
     )
     step, position = (int(v) for v in state["progress"])
     trainer.progress.step, trainer.progress.position = step, position
