@@ -64,6 +64,7 @@ def test_small_chain_reports_every_column():
     for i, r in enumerate(rows):
         assert r["steps_taken"] == i + 1  # one step before the first switch, one after each
         assert r["state_mismatches"] == 0, r  # the switched state is DCP's, bit for bit
+        assert r["restart_error"] is None, (r["restart_error"], run.stderr[-3000:])
         for key in ("switch_seconds", "dcp_save_seconds", "dcp_load_seconds", "dcp_build_seconds",
                     "restart_step_seconds", "restart_job_seconds", "link_bytes_per_s", "step_after_seconds"):
             assert r[key] > 0, (key, r)

@@ -148,6 +148,10 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _restart_cell(r: dict) -> str:
+    return "failed" if r.get("restart_error") else _fmt(r["restart_seconds"], ".2f")
+
+
 def _print(records: list[dict], cfg, args: argparse.Namespace, device_type: str) -> None:
     for r in records:
         r["dcp_over_switch"] = _ratio(r["dcp_seconds"], r["switch_seconds"])
@@ -170,7 +174,7 @@ def _print(records: list[dict], cfg, args: argparse.Namespace, device_type: str)
     print("-" * len(head))
     for r in records:
         print(f"{r['from'] + ' -> ' + r['to']:<28}{r['switch_seconds']:>8.2f}{r['dcp_seconds']:>8.2f}"
-              f"{_fmt(r['restart_seconds'], '.2f'):>9}{r['limit_seconds']:>8.2f} |"
+              f"{_restart_cell(r):>9}{r['limit_seconds']:>8.2f} |"
               f"{_fmt(r['dcp_over_switch'], '.2f'):>8}{_fmt(r['restart_over_switch'], '.2f'):>8}"
               f"{_fmt(r['switch_over_limit'], '.2f'):>8} |{_size(r['bytes_moved']):>9}"
               f"{_size(r['bytes_total']):>9}{_size(r['peak_mem_bytes']):>9}{_size(r['extra_mem_bytes']):>9}"
@@ -178,3 +182,6 @@ def _print(records: list[dict], cfg, args: argparse.Namespace, device_type: str)
     print("-" * len(head))
     print(f"{'geometric mean':<61}|{_fmt(means['dcp_over_switch'], '.2f'):>8}"
           f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8} |")
+    for r in records:
+        if r.get("restart_error"):
+            print(f"restart failed for {r['from']} -> {r['to']}: {r['restart_error']}")

@@ -18,7 +18,9 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    from spawning the job until its rank 0 *starts* its first step (the moment its first step's line
    appears, less that step's own ``step_time_s`` from the job's metrics file): the time until training
    resumes, as for the switch. The first step itself is ``restart_step_seconds``; the job's whole
-   life, exit included, is ``restart_job_seconds``.
+   life, exit included, is ``restart_job_seconds``. A job that fails is reported
+   (``restart_error``, its output on stderr) and the bench goes on: the failure is a finding about
+   the baseline, not about the switch.
 4. **Online switch** (``switch_seconds``): `Trainer.switch(B, budget)` after a barrier, the slowest
    rank's `SwitchReport.seconds`: planning, building B's model and meshes, moving every byte,
    building the optimizer and the pipeline schedule; ready for the next step.
@@ -75,6 +77,14 @@ class BenchOptions:
     p2p_reps: int = 3  # timed runs of the link-rate measurement (the best is kept)
     restart: bool = True  # measure the checkpoint-and-restart column
     timeout_s: float = 600.0  # the run's collective timeout; the restart job gets 90% of it
+
+
+class RestartFailed(RuntimeError):
+    """The fresh job did not get through its first step; `reason` is its error line."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +189,12 @@ def _restart(cfg: TrainConfig, layout: Layout, path: Path, step: int, nproc: int
             watchdog.cancel()
         job_seconds = time.perf_counter() - start
     if code != 0 or first_line is None or not metrics.is_file():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"the restart job {' '.join(argv[2:])} exited with code {code} "
-                           f"without finishing a step; its last output:\n{tail}")
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line and "Traceback" not in line]
+        reason = errors[-1].split("]:")[-1].strip() if errors else f"exit code {code}"
+        tail = "\n".join(lines[-20:])
+        raise RestartFailed(f"the restart job {' '.join(argv[2:])} exited with code {code} without "
+                            f"finishing a step; its last output:\n{tail}", reason)
     step_seconds = json.loads(metrics.read_text().splitlines()[0])["step_time_s"]
     return Restart(first_line - step_seconds, step_seconds, job_seconds)
 
@@ -189,79 +202,93 @@ def _restart(cfg: TrainConfig, layout: Layout, path: Path, step: int, nproc: int
 def run_switch_bench(cfg: TrainConfig, chain: list[Layout], rank: int, device_type: str, opts: BenchOptions) -> list[dict]:
     """Walk `chain` (cfg.layout == chain[0]); one record per transition, complete on rank 0."""
     assert cfg.layout == chain[0]
-    world = dist.get_world_size()
     tokens = load_tokens(cfg.data)
     trainer = Trainer(cfg, rank, device_type, tokens=tokens)
-    device = trainer.par.device
     trainer.train_step()  # AdamW state exists from here on
     root = [tempfile.mkdtemp(prefix="shardshift-bench-switch-") if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     root = Path(root[0])
-    records = []
     try:
-        for before, after in zip(chain, chain[1:]):
-            assert trainer.cfg.layout == before
-            rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device)
-            path, save_s = _timed(lambda: checkpoint.save(trainer, str(root / "ckpt")), device)
-            restart = None
-            if opts.restart:
-                if rank == 0:
-                    restart = _restart(trainer.cfg.with_layout(after), after, path, trainer.progress.step,
-                                       world, 0.9 * opts.timeout_s, root)
-                dist.barrier()  # the other ranks wait here, idle, while the fresh job runs
-
-            steps_taken = trainer.progress.step
-            dist.barrier()
-            report = trainer.switch(after, opts.budget)
-            switch_s = _max_over_ranks(report.seconds, device)
-            switched, rng = _local_state(trainer), torch.get_rng_state()
-
-            def build():  # `Trainer` seeds the global generator; the load below restores it
-                return Trainer(trainer.cfg, rank, device_type, tokens=tokens, ranks=trainer.par.ranks)
-
-            reference, build_s = _timed(build, device)
-            _, load_s = _timed(lambda: checkpoint.load(reference, path), device)
-            bad = _mismatches(switched, _local_state(reference)) + int(not torch.equal(rng, torch.get_rng_state()))
-            bad = torch.tensor([bad], device=device)
-            dist.all_reduce(bad)
-            del reference, switched
-            gc.collect()
-            if rank == 0:
-                shutil.rmtree(path)
-            dist.barrier()
-
-            result, step_s = _timed(trainer.train_step, device)
-            limit_s = report.max_bytes_received / rate
-            records.append({
-                "from": str(before),
-                "to": str(after),
-                "placed": report.new,  # the new layout and the rank order the switch chose
-                "steps_taken": steps_taken,  # optimizer steps before the switch
-                "switch_seconds": switch_s,
-                "plan_seconds": report.plan_seconds,
-                "dcp_seconds": save_s + load_s,
-                "dcp_save_seconds": save_s,
-                "dcp_load_seconds": load_s,
-                "dcp_build_seconds": build_s,
-                "restart_seconds": None if restart is None else save_s + restart.seconds,
-                "restart_step_seconds": None if restart is None else restart.step_seconds,
-                "restart_job_seconds": None if restart is None else restart.job_seconds,
-                "limit_seconds": limit_s,
-                "link_bytes_per_s": rate,
-                "bytes_moved": report.bytes_moved,
-                "bytes_kept": report.bytes_kept,
-                "bytes_lower_bound": report.bytes_lower_bound,
-                "bytes_total": report.bytes_total,
-                "max_bytes_received": report.max_bytes_received,
-                "rounds": report.rounds,
-                "budget": report.budget,
-                "peak_mem_bytes": report.peak_mem_bytes,
-                "extra_mem_bytes": report.extra_mem_bytes,
-                "state_mismatches": int(bad),
-                "step_after_seconds": step_s,
-                "loss_after": result.loss,
-            })
+        return [_transition(trainer, after, tokens, root, opts) for after in chain[1:]]
     finally:
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
-    return records
+
+
+def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: BenchOptions) -> dict:
+    """Steps 1 to 6 of the module's docstring for one transition; the record (complete on rank 0)."""
+    before, rank, device = trainer.cfg.layout, trainer.rank, trainer.par.device
+    rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device)
+    path, save_s = _timed(lambda: checkpoint.save(trainer, str(root / "ckpt")), device)
+    restart, restart_error = None, None
+    if opts.restart:
+        if rank == 0:
+            try:
+                restart = _restart(trainer.cfg.with_layout(after), after, path, trainer.progress.step,
+                                   dist.get_world_size(), 0.9 * opts.timeout_s, root)
+            except RestartFailed as err:  # a finding about the baseline: reported, not fatal
+                print(f"shardshift: {before} -> {after}: {err}", file=sys.stderr, flush=True)
+                restart_error = err.reason
+        dist.barrier()  # the other ranks wait here, idle, while the fresh job runs
+
+    steps_taken = trainer.progress.step
+    dist.barrier()
+    report = trainer.switch(after, opts.budget)
+    switch_s = _max_over_ranks(report.seconds, device)
+    build_s, load_s, mismatches = _load_and_compare(trainer, path, tokens)
+    if rank == 0:
+        shutil.rmtree(path)
+    dist.barrier()
+    result, step_s = _timed(trainer.train_step, device)
+    return {
+        "from": str(before),
+        "to": str(after),
+        "placed": report.new,  # the new layout and the rank order the switch chose
+        "steps_taken": steps_taken,  # optimizer steps before the switch
+        "switch_seconds": switch_s,
+        "plan_seconds": report.plan_seconds,
+        "dcp_seconds": save_s + load_s,
+        "dcp_save_seconds": save_s,
+        "dcp_load_seconds": load_s,
+        "dcp_build_seconds": build_s,
+        "restart_seconds": None if restart is None else save_s + restart.seconds,
+        "restart_step_seconds": None if restart is None else restart.step_seconds,
+        "restart_job_seconds": None if restart is None else restart.job_seconds,
+        "restart_error": restart_error,  # why the fresh job failed (rank 0), or None
+        "limit_seconds": report.max_bytes_received / rate,
+        "link_bytes_per_s": rate,
+        "bytes_moved": report.bytes_moved,
+        "bytes_kept": report.bytes_kept,
+        "bytes_lower_bound": report.bytes_lower_bound,
+        "bytes_total": report.bytes_total,
+        "max_bytes_received": report.max_bytes_received,
+        "rounds": report.rounds,
+        "budget": report.budget,
+        "peak_mem_bytes": report.peak_mem_bytes,
+        "extra_mem_bytes": report.extra_mem_bytes,
+        "state_mismatches": mismatches,
+        "step_after_seconds": step_s,
+        "loss_after": result.loss,
+    }
+
+
+def _load_and_compare(trainer: Trainer, path: Path, tokens) -> tuple[float, float, int]:
+    """Build a trainer like the switched one, DCP-load `path` into it, compare the two.
+
+    Returns the build's and the load's seconds and the number of tensors, over all ranks, that
+    differ from the switched trainer's (the RNG state counted as one per rank).
+    """
+    device = trainer.par.device
+    switched, rng = _local_state(trainer), torch.get_rng_state()
+
+    def build():  # `Trainer` seeds the global generator; the load restores the checkpoint's
+        return Trainer(trainer.cfg, trainer.rank, device.type, tokens=tokens, ranks=trainer.par.ranks)
+
+    reference, build_s = _timed(build, device)
+    _, load_s = _timed(lambda: checkpoint.load(reference, path), device)
+    bad = _mismatches(switched, _local_state(reference)) + int(not torch.equal(rng, torch.get_rng_state()))
+    bad = torch.tensor([bad], device=device)
+    dist.all_reduce(bad)
+    del reference, switched
+    gc.collect()  # its state goes before the next step and the next switch
+    return build_s, load_s, int(bad)
