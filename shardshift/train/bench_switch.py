@@ -21,16 +21,17 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    life, exit included, is ``restart_job_seconds``. A job that fails is reported
    (``restart_error``, its output on stderr) and the bench goes on: the failure is a finding about
    the baseline, not about the switch.
-4. **Online switch** (``switch_seconds``): `Trainer.switch(B, budget)` after a barrier, the slowest
+4. **DCP load** (``dcp_load_seconds``): a fresh trainer is built under B with the rank order the
+   switch will choose (the same pure plan; ``dcp_build_seconds``, not counted: the switch's column
+   includes building its own model, but a DCP resume could build its model on the meta device and
+   skip the random initialisation a `Trainer` does), then `checkpoint.load` fills it, barrier to
+   barrier. A digest of each of its tensors is kept and the trainer is dropped, so the bench never
+   holds two copies of B's state (the checkpoint is deleted too).
+5. **Online switch** (``switch_seconds``): `Trainer.switch(B, budget)` after a barrier, the slowest
    rank's `SwitchReport.seconds`: planning, building B's model and meshes, moving every byte,
-   building the optimizer and the pipeline schedule; ready for the next step.
-5. **DCP load** (``dcp_load_seconds``): a fresh trainer is built under B with the same rank order
-   the switch chose (``dcp_build_seconds``, not counted: the switch's column includes building its
-   own model, but a DCP resume could build its model on the meta device and skip the random
-   initialisation a `Trainer` does), then `checkpoint.load` fills it, barrier to barrier. Its state
-   is compared with the switched trainer's, bit for bit (``state_mismatches``: tensors that differ,
-   over all ranks; 0 is the only correct value). The fresh trainer and the checkpoint are then
-   dropped.
+   building the optimizer and the pipeline schedule; ready for the next step. The switched state is
+   compared with the DCP-loaded one, bit for bit (``state_mismatches``: tensors that differ, over
+   all ranks, the RNG state counted once per rank; 0 is the only correct value).
 6. One training step on the switched trainer (``step_after_seconds``, not part of any column), to
    show that training goes on.
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -59,15 +61,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardshift.layout import Layout
+from shardshift.reshard.plan import plan_transition
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
+from shardshift.train.state import GPTState
 from shardshift.train.trainer import Trainer
 
 # Environment a launcher sets for its workers; the restart job must not inherit it, or its
 # `shardshift train` would take itself for a worker of the bench's job.
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDSHIFT_STORE", "MASTER_ADDR", "MASTER_PORT")
 _P2P_TAG = 1 << 20  # above any switch round's tag
+_DIGEST_CHUNK = 16 << 20  # bytes hashed at a time
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,31 +137,38 @@ def link_rate(nbytes: int, reps: int, device: torch.device) -> float:
     return (world - 1) * nbytes / best
 
 
-def _local_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every piece of state this rank holds, by logical name, as local tensors (not copies)."""
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t.detach()
+def _digests(trainer: Trainer) -> dict[str, bytes]:
+    """A digest of every piece of state this rank holds (dtype, shape, every byte), by name.
+
+    Includes the global RNG state: call it right after a load or a switch.
+    """
+    # Bytes are hashed through a buffer of our own: `.numpy()` on the state itself would mark its
+    # storage not resizable, and a switch frees old state by resizing its storage to zero bytes.
+    buf = torch.empty(_DIGEST_CHUNK, dtype=torch.uint8)
+
+    def digest(t: torch.Tensor) -> bytes:
+        t = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        raw = t.reshape(-1).contiguous().view(torch.uint8)
+        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+        for start in range(0, raw.numel(), _DIGEST_CHUNK):
+            piece = raw[start : start + _DIGEST_CHUNK]
+            buf[: piece.numel()].copy_(piece)
+            h.update(buf[: piece.numel()].numpy())
+        return h.digest()
 
     out = {}
     for fqn, param in trainer.model.named_parameters():
-        out[f"param:{fqn}"] = local(param)
+        out[f"param:{fqn}"] = digest(param)
         for kind, value in trainer.optimizer.state[param].items():
-            out[f"{kind}:{fqn}"] = local(value)
-    out["progress"] = torch.tensor([trainer.progress.step, trainer.progress.position])
+            out[f"{kind}:{fqn}"] = digest(value)
+    out["progress"] = digest(torch.tensor([trainer.progress.step, trainer.progress.position]))
+    out["rng"] = digest(torch.get_rng_state())
     return out
 
 
-def _mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
-    """Names whose tensors are not bit-identical (dtype, shape, every byte), or not in both."""
-    def raw(x):
-        return x.reshape(-1).view(torch.uint8)
-
-    bad = len(set(a) ^ set(b))
-    for key in set(a) & set(b):
-        x, y = a[key], b[key]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(raw(x), raw(y)):
-            bad += 1
-    return bad
+def _mismatches(a: dict[str, bytes], b: dict[str, bytes]) -> int:
+    """Names whose digests differ, or that are not in both."""
+    return len(set(a) ^ set(b)) + sum(a[key] != b[key] for key in set(a) & set(b))
 
 
 def _restart(cfg: TrainConfig, layout: Layout, path: Path, step: int, nproc: int, timeout_s: float, work: Path) -> Restart:
@@ -231,14 +243,16 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Bench
                 restart_error = err.reason
         dist.barrier()  # the other ranks wait here, idle, while the fresh job runs
 
+    build_s, load_s, ranks, loaded = _dcp_reference(trainer, after, path, tokens)
+    if rank == 0:
+        shutil.rmtree(path)
     steps_taken = trainer.progress.step
     dist.barrier()
     report = trainer.switch(after, opts.budget)
     switch_s = _max_over_ranks(report.seconds, device)
-    build_s, load_s, mismatches = _load_and_compare(trainer, path, tokens)
-    if rank == 0:
-        shutil.rmtree(path)
-    dist.barrier()
+    assert trainer.par.ranks == ranks, (trainer.par.ranks, ranks)
+    mismatches = torch.tensor([_mismatches(_digests(trainer), loaded)], device=device)
+    dist.all_reduce(mismatches)
     result, step_s = _timed(trainer.train_step, device)
     return {
         "from": str(before),
@@ -266,29 +280,28 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Bench
         "budget": report.budget,
         "peak_mem_bytes": report.peak_mem_bytes,
         "extra_mem_bytes": report.extra_mem_bytes,
-        "state_mismatches": mismatches,
+        "state_mismatches": int(mismatches),
         "step_after_seconds": step_s,
         "loss_after": result.loss,
     }
 
 
-def _load_and_compare(trainer: Trainer, path: Path, tokens) -> tuple[float, float, int]:
-    """Build a trainer like the switched one, DCP-load `path` into it, compare the two.
+def _dcp_reference(trainer: Trainer, after: Layout, path: Path, tokens):
+    """Build a trainer under `after`, placed as the switch will place it; DCP-load `path` into it.
 
-    Returns the build's and the load's seconds and the number of tensors, over all ranks, that
-    differ from the switched trainer's (the RNG state counted as one per rank).
+    Returns the build's and the load's seconds, the rank order and the loaded state's digests; the
+    trainer itself is dropped.
     """
     device = trainer.par.device
-    switched, rng = _local_state(trainer), torch.get_rng_state()
+    cfg = trainer.cfg.with_layout(after)
+    ranks = plan_transition(GPTState(cfg.model, cfg.param_dtype), trainer.assignment, after).new.ranks
 
     def build():  # `Trainer` seeds the global generator; the load restores the checkpoint's
-        return Trainer(trainer.cfg, trainer.rank, device.type, tokens=tokens, ranks=trainer.par.ranks)
+        return Trainer(cfg, trainer.rank, device.type, tokens=tokens, ranks=ranks)
 
     reference, build_s = _timed(build, device)
     _, load_s = _timed(lambda: checkpoint.load(reference, path), device)
-    bad = _mismatches(switched, _local_state(reference)) + int(not torch.equal(rng, torch.get_rng_state()))
-    bad = torch.tensor([bad], device=device)
-    dist.all_reduce(bad)
-    del reference, switched
-    gc.collect()  # its state goes before the next step and the next switch
-    return build_s, load_s, int(bad)
+    loaded = _digests(reference)
+    del reference
+    gc.collect()  # its state goes before the switch builds the same layout's
+    return build_s, load_s, ranks, loaded
