@@ -8,7 +8,8 @@ The executor knows the state only through two small interfaces, so it serves any
   writes it.
 
 Every process walks the same rounds (see `schedule.py` for why this cannot deadlock). Within a
-round, local copies run while messages are in flight. The executor keeps an account of the bytes of
+round, local copies run while messages are in flight. Large segments are sent from, and received
+into, the state tensors themselves wherever their slice is contiguous: no packing copy. The executor keeps an account of the bytes of
 state and buffers this process holds as it goes, and reports its peak: the figure that the budget
 bounds (on CUDA the caching allocator's own peak is reported alongside).
 """
@@ -87,10 +88,11 @@ def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: t
             assert tuple(new_local[tensor].shape) == plan.new_boxes[rank][tensor].sizes, plan.tensors[tensor]
             account.add(piece_bytes(plan.new_boxes, tensor))
         sends, recvs, local = schedule.messages(index, rank)
-        buffers = [_pack(plan, m, source, device) for m in sends]
-        inbox = [torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in recvs]
-        account.add(sum(b.numel() for b in buffers) + sum(b.numel() for b in inbox))
-        works = _post(sends, buffers, recvs, inbox, tag=index, device=device)
+        outbox = [_outgoing(plan, m, source, device) for m in sends]
+        inbox = [_incoming(plan, m, new_local, rank, device) for m in recvs]
+        in_flight = sum(t.numel() * t.element_size() for t, fresh in outbox + inbox if fresh)
+        account.add(in_flight)
+        works = _post(sends, [t for t, _ in outbox], recvs, [t for t, _ in inbox], tag=index, device=device)
         for seg in local:  # overlaps the messages in flight
             box = plan.old_boxes[rank][seg.tensor]
             target = plan.new_boxes[rank][seg.tensor]
@@ -98,12 +100,13 @@ def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: t
             copied += plan.segment_bytes(seg)
         for work in works:
             work.wait()
-        for message, buf in zip(recvs, inbox):
-            _unpack(plan, message, buf, new_local, rank)
+        for message, (buf, fresh) in zip(recvs, inbox):
+            if fresh:
+                _unpack(plan, message, buf, new_local, rank)
         sent += sum(m.nbytes for m in sends)
         received += sum(m.nbytes for m in recvs)
-        account.sub(sum(b.numel() for b in buffers) + sum(b.numel() for b in inbox))
-        del buffers, inbox
+        account.sub(in_flight)
+        del outbox, inbox
         for tensor in closes.get(index, ()):
             source.release(tensor)
             account.sub(piece_bytes(plan.old_boxes, tensor))
@@ -130,22 +133,42 @@ def _segment_view(buf: torch.Tensor, offset: int, nbytes: int, seg: Segment, dty
     return buf[offset : offset + nbytes].view(dtype).view(seg.box.sizes)
 
 
-def _pack(plan, message: Message, source: Source, device: torch.device) -> torch.Tensor:
+def _outgoing(plan, message: Message, source: Source, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """What to send for `message`, and whether it is a new buffer (else a view of the old piece)."""
+    if message.direct:
+        seg = message.segments[0]
+        view = source.local(seg.tensor)[seg.box.relative_to(plan.old_boxes[message.src][seg.tensor])]
+        if view.is_contiguous() and view.device == device:
+            return view, False
+        return view.to(device, copy=True, memory_format=torch.contiguous_format), True
     buf = torch.empty(message.nbytes, dtype=torch.uint8, device=device)
     for seg, offset in zip(message.segments, message.offsets):
         tensor = plan.tensors[seg.tensor]
         box = plan.old_boxes[message.src][seg.tensor]
         view = _segment_view(buf, offset, plan.segment_bytes(seg), seg, tensor.dtype)
         view.copy_(source.local(seg.tensor)[seg.box.relative_to(box)])
-    return buf
+    return buf, True
+
+
+def _incoming(plan, message: Message, new_local: dict[int, torch.Tensor], rank: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """Where to receive `message`, and whether it is a new buffer (else the new piece itself)."""
+    if message.direct:
+        seg = message.segments[0]
+        target = new_local[seg.tensor][seg.box.relative_to(plan.new_boxes[rank][seg.tensor])]
+        if target.is_contiguous() and target.device == device:
+            return target, False
+        return torch.empty(target.shape, dtype=target.dtype, device=device), True
+    return torch.empty(message.nbytes, dtype=torch.uint8, device=device), True
 
 
 def _unpack(plan, message: Message, buf: torch.Tensor, new_local: dict[int, torch.Tensor], rank: int) -> None:
     for seg, offset in zip(message.segments, message.offsets):
-        tensor = plan.tensors[seg.tensor]
-        target = plan.new_boxes[rank][seg.tensor]
-        view = _segment_view(buf, offset, plan.segment_bytes(seg), seg, tensor.dtype)
-        new_local[seg.tensor][seg.box.relative_to(target)].copy_(view)
+        target = new_local[seg.tensor][seg.box.relative_to(plan.new_boxes[rank][seg.tensor])]
+        if message.direct:
+            target.copy_(buf)
+        else:
+            tensor = plan.tensors[seg.tensor]
+            target.copy_(_segment_view(buf, offset, plan.segment_bytes(seg), seg, tensor.dtype))
 
 
 def _post(sends, send_bufs, recvs, recv_bufs, tag: int, device: torch.device) -> list:

@@ -33,6 +33,7 @@ from shardshift.reshard.plan import Segment, TransitionPlan
 DEFAULT_BUDGET = 256 << 20
 MIN_BUDGET = 4 << 10
 ALIGN = 16  # bytes: every segment starts aligned in a packed message, so any dtype can view it
+DIRECT_BYTES = 64 << 10  # segments this big get a message of their own (see `Message`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,20 @@ class Round:
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """One packed message of a round: segments from `src` to `dst` at byte offsets."""
+    """One message of a round from `src` to `dst`.
+
+    Segments of at least `Schedule.direct_bytes` travel alone (``direct``): the sender sends its slice of
+    the old piece as it is and the receiver receives straight into its new piece, with no copy
+    wherever the slice is contiguous. Smaller segments between the same pair are packed together
+    at aligned byte offsets into one message.
+    """
 
     src: int
     dst: int
     segments: tuple[Segment, ...]
     offsets: tuple[int, ...]
     nbytes: int
+    direct: bool = False
 
 
 def align(n: int) -> int:
@@ -63,6 +71,11 @@ class Schedule:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def direct_bytes(self) -> int:
+        """Segments of this many bytes or more travel as messages of their own."""
+        return min(DIRECT_BYTES, max(1, self.budget // 4))
 
     def memory_peaks(self, rank: int) -> list[int]:
         """Per round, the most bytes above its old state `rank` holds (the executor's account)."""
@@ -97,12 +110,18 @@ class Schedule:
                 by_pair.setdefault((seg.src, seg.dst), []).append(seg)
         sends, recvs = [], []
         for (src, dst), segs in sorted(by_pair.items()):
-            offsets, end = [], 0
+            offsets, end, packed = [], 0, []
+            out = sends if src == rank else recvs
             for seg in segs:
+                nbytes = self.plan.segment_bytes(seg)
+                if nbytes >= self.direct_bytes:
+                    out.append(Message(src, dst, (seg,), (0,), align(nbytes), direct=True))
+                    continue
+                packed.append(seg)
                 offsets.append(end)
-                end = align(end + self.plan.segment_bytes(seg))
-            message = Message(src, dst, tuple(segs), tuple(offsets), end)
-            (sends if src == rank else recvs).append(message)
+                end = align(end + nbytes)
+            if packed:
+                out.append(Message(src, dst, tuple(packed), tuple(offsets), end))
         return sends, recvs, local
 
     def _first_cost(self, index: int, rank: int) -> int:
