@@ -43,7 +43,8 @@ def _size(nbytes: int) -> str:
 
 def _report_switch(report, metrics) -> None:
     print(
-        f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s: "
+        f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s "
+        f"(prepared in {report.prepare_seconds:.2f} s{' ahead' if report.prepared_ahead else ''}): "
         f"moved {_size(report.bytes_moved)} (lower bound {_size(report.bytes_lower_bound)}), kept "
         f"{_size(report.bytes_kept)} in place, {report.rounds} round(s), peak {_size(report.peak_mem_bytes)} "
         f"per rank, {_size(report.extra_mem_bytes)} over max(old, new) (budget {_size(report.budget)})",
@@ -71,14 +72,18 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
                 f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
                 flush=True,
             )
-        switches = dict(cfg.switches)
+        pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
+        # The next switch is prepared (planned, its meshes and model structure built) ahead of
+        # time, so that at its step only the state moves.
+        prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
         try:
             while trainer.progress.step < cfg.stop_at:
-                upcoming = trainer.progress.step + 1
-                if upcoming in switches:
-                    report = trainer.switch(switches[upcoming], cfg.switch_budget)
+                if pending and pending[0][0] == trainer.progress.step + 1:
+                    report = trainer.switch(prepared)
                     if proc.rank == 0:
                         _report_switch(report, metrics)
+                    pending.pop(0)
+                    prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
                 result = trainer.train_step()
                 if proc.rank == 0:
                     _report(trainer.cfg, result, metrics)

@@ -1,10 +1,13 @@
 """Switch a running `Trainer` to another layout, in place, without a checkpoint.
 
-At a step boundary (no gradients, no activations), every rank:
+Preparing (`prepare_switch`, which may run steps ahead while training goes on), every rank:
 
 1. plans the switch from the trainer's assignment to the new layout (pure: `reshard.plan`), which
    refuses an invalid layout before anything changes;
-2. builds the new layout's meshes and its model on the meta device (TP plan, FSDP2) — no storage;
+2. builds the new layout's meshes and its model on the meta device (TP plan, FSDP2) — no storage.
+
+Switching, at a step boundary (no gradients, no activations), every rank:
+
 3. runs the schedule (`reshard.execute`): each new piece is allocated when the schedule first
    writes it (a leaf module at a time for parameters, an AdamW moment at a time) and filled from
    local copies and messages; each old piece is freed as soon as the schedule is done with it;
@@ -27,10 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from shardshift.layout import Layout
 from shardshift.reshard.execute import execute
-from shardshift.reshard.plan import plan_transition
-from shardshift.reshard.schedule import DEFAULT_BUDGET, build_schedule
+from shardshift.reshard.plan import TransitionPlan, plan_transition
+from shardshift.reshard.schedule import DEFAULT_BUDGET, Schedule, build_schedule
+from shardshift.train.config import TrainConfig
 from shardshift.train.optim import build_optimizer
-from shardshift.train.parallelize import build_parallel, build_stage_skeleton, materialize
+from shardshift.train.parallelize import Parallel, build_parallel, build_stage_skeleton, materialize
 from shardshift.train.state import MOMENTS, GPTState
 
 
@@ -41,8 +45,9 @@ class SwitchReport:
     step: int  # the first step run under the new layout (1-based, as in the logs)
     old: str
     new: str  # the new layout, with its rank order when it is not the identity
-    seconds: float  # from the call until the trainer is ready for its next step, slowest rank
-    plan_seconds: float
+    seconds: float  # the switch call, until the trainer is ready for its next step (slowest rank)
+    prepare_seconds: float  # planning and building meshes and model structure (slowest rank)
+    prepared_ahead: bool  # whether that was done before the call (then `seconds` excludes it)
     bytes_moved: int  # over all ranks
     bytes_kept: int  # copied locally, over all ranks
     bytes_lower_bound: int  # bytes that must move for the chosen assignment
@@ -61,7 +66,8 @@ class SwitchReport:
             "from": self.old,
             "to": self.new,
             "seconds": self.seconds,
-            "plan_seconds": self.plan_seconds,
+            "prepare_seconds": self.prepare_seconds,
+            "prepared_ahead": self.prepared_ahead,
             "bytes_moved": self.bytes_moved,
             "bytes_kept": self.bytes_kept,
             "bytes_lower_bound": self.bytes_lower_bound,
@@ -144,24 +150,57 @@ class _ModelSink:
         return _local(value)
 
 
-def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> SwitchReport:
-    """Switch `trainer` to `layout` (a collective: every rank calls it with the same arguments)."""
-    start, start_ns = time.perf_counter(), time.perf_counter_ns()
-    on_cuda = trainer.par.device.type == "cuda"
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
+@dataclasses.dataclass
+class PreparedSwitch:
+    """Everything a switch needs that moves no state: built ahead, while training goes on."""
+
+    cfg: TrainConfig  # the run's configuration under the new layout
+    plan: TransitionPlan
+    schedule: Schedule
+    par: Parallel  # the new layout's meshes
+    model: nn.Module  # its model, parallelized, on the meta device
+    space: GPTState
+    seconds: float  # time it took to prepare, on this rank
+
+
+def prepare_switch(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
+    """Plan a switch of `trainer` to `layout` and build its meshes and model structure.
+
+    A collective (the meshes' groups): every rank calls it with the same arguments. Raises
+    ValueError, before anything is built, for a layout the model, batch or world cannot take.
+    """
+    start = time.perf_counter()
     cfg = trainer.cfg.with_layout(layout)  # refuses a batch the new layout cannot split
     space = GPTState(cfg.model, cfg.param_dtype)
     plan = plan_transition(space, trainer.assignment, layout)
     schedule = build_schedule(plan, budget)
-    plan_seconds = time.perf_counter() - start
+    par = build_parallel(layout, trainer.rank, trainer.par.device.type, plan.new.ranks)
+    model = build_stage_skeleton(cfg.model, par, cfg.param_dtype)
+    return PreparedSwitch(cfg, plan, schedule, par, model, space, time.perf_counter() - start)
+
+
+def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
+    """Switch `trainer` to a layout (a collective: every rank calls it with the same arguments).
+
+    `target` is the layout, or a `PreparedSwitch` for it made earlier from this trainer's current
+    state; then only the state moves now.
+    """
+    start_ns = time.perf_counter_ns()
+    on_cuda = trainer.par.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    prepared = target if isinstance(target, PreparedSwitch) else prepare_switch(trainer, target, budget)
+    if prepared.plan.old != trainer.assignment:
+        raise ValueError(
+            f"this switch was prepared from {prepared.plan.old}, but the trainer is under "
+            f"{trainer.assignment}; prepare it again"
+        )
+    cfg, plan, par, model, space = prepared.cfg, prepared.plan, prepared.par, prepared.model, prepared.space
     rank, old = trainer.rank, trainer.assignment
 
-    par = build_parallel(layout, rank, trainer.par.device.type, plan.new.ranks)
-    model = build_stage_skeleton(cfg.model, par, cfg.param_dtype)
     trainer.drop_runtime()  # the DDP wrapper's buckets and the pipeline schedule go first
     source, sink = _TrainerSource(trainer, space), _ModelSink(model, space, par.device)
-    stats = execute(schedule, rank, source, sink, par.device)
+    stats = execute(prepared.schedule, rank, source, sink, par.device)
 
     optimizer = build_optimizer(model, cfg.optim)
     for fqn, param in model.named_parameters():
@@ -174,7 +213,8 @@ def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Swi
     extra = stats.peak_bytes - max(stats.old_bytes, stats.new_bytes)
     device_peak = torch.cuda.max_memory_allocated() if on_cuda else 0
     elapsed_ns = time.perf_counter_ns() - start_ns
-    figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, elapsed_ns]
+    prepare_ns = int(prepared.seconds * 1e9)
+    figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, elapsed_ns, prepare_ns]
     worst = torch.tensor(figures, dtype=torch.int64, device=par.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst = worst.tolist()
@@ -183,14 +223,15 @@ def switch_trainer(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Swi
         old=str(old),
         new=str(plan.new),
         seconds=worst[4] / 1e9,
-        plan_seconds=plan_seconds,
+        prepare_seconds=worst[5] / 1e9,
+        prepared_ahead=prepared is target,
         bytes_moved=plan.bytes_moved,
         bytes_kept=plan.bytes_kept,
         bytes_lower_bound=plan.bytes_lower_bound,
         bytes_total=plan.bytes_total,
         max_bytes_received=worst[2],
         rounds=stats.rounds,
-        budget=budget,
+        budget=prepared.schedule.budget,
         peak_mem_bytes=worst[0],
         extra_mem_bytes=worst[1],
         device_peak_bytes=worst[3] if on_cuda else None,

@@ -17,7 +17,7 @@ from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.model import loss_fn
 from shardshift.train.optim import build_optimizer, clip_grad_norm
 from shardshift.train.parallelize import build_parallel, build_stage_model, wrap_for_training
-from shardshift.train.switch import SwitchReport, switch_trainer
+from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +67,18 @@ class Trainer:
         """The layout and the process at each of its coordinates."""
         return Assignment(self.cfg.layout, self.par.ranks)
 
-    def switch(self, layout: Layout, budget: int = DEFAULT_BUDGET) -> SwitchReport:
-        """Continue training under `layout`, moving the state in place (see `switch.py`).
+    def switch(self, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
+        """Continue training under a layout, moving the state in place (see `switch.py`).
 
-        A collective between steps: every rank calls it with the same arguments. A layout the
-        model, the batch or the world cannot take raises ValueError before anything changes.
+        A collective between steps: every rank calls it with the same arguments. `target` is the
+        layout or what `prepare_switch` made for it. A layout the model, the batch or the world
+        cannot take raises ValueError before anything changes.
         """
-        return switch_trainer(self, layout, budget)
+        return switch_trainer(self, target, budget)
+
+    def prepare_switch(self, layout: Layout, budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
+        """Plan a switch and build the new layout's meshes and model structure, ahead of time."""
+        return prepare_switch(self, layout, budget)
 
     def drop_runtime(self) -> None:
         """Drop what only runs steps (DDP wrapper, pipeline schedule): a switch is about to start."""
