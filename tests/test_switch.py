@@ -156,9 +156,16 @@ def _switching_run(rank: int, world_size: int) -> dict:
 
     trainer = Trainer(_config("dp=4", steps=steps), rank, "cpu")
     losses, reports, refused = [], [], []
+    prepared = stale = None
     for step in range(1, steps + 1):
         if step in SWITCHES:
-            reports.append(trainer.switch(Layout.parse(SWITCHES[step]), budget=BUDGET))
+            if step == 7:  # prepared before the switch at step 5: the state has moved since
+                try:
+                    trainer.switch(stale)
+                except ValueError as err:
+                    refused.append(str(err))
+            target = prepared if step == 5 else Layout.parse(SWITCHES[step])
+            reports.append(trainer.switch(target, budget=BUDGET))
         if step == 4:  # layouts the job cannot take are refused before anything changes
             before = local_state(trainer)
             for bad in (Layout(tp=3), Layout(dp=2), Layout(pp=8)):
@@ -167,6 +174,9 @@ def _switching_run(rank: int, world_size: int) -> dict:
                 except ValueError as err:
                     refused.append(str(err))
             unchanged = differences(before, local_state(trainer)) == [] and str(trainer.cfg.layout) == "fsdp=2,tp=2"
+            # The next switch is prepared a step ahead, as the run loop does.
+            prepared = trainer.prepare_switch(Layout.parse(SWITCHES[5]), budget=BUDGET)
+            stale = trainer.prepare_switch(Layout.parse(SWITCHES[7]), budget=BUDGET)
         losses.append(trainer.train_step().loss)
 
     # A -> B -> A: the same bits come back.
@@ -195,7 +205,9 @@ def test_switching_run_matches_the_unswitched_run():
             assert report.bytes_moved == report.bytes_lower_bound
             # Peak memory: max(old state, new state) + the budget + one tensor a round boundary cuts.
             assert 0 <= report.extra_mem_bytes <= report.budget + largest, report
-        assert len(result["refused"]) == 3 and result["unchanged"], result["refused"]
+        assert len(result["refused"]) == 4 and result["unchanged"], result["refused"]
+        assert "was prepared from fsdp=2,tp=2" in result["refused"][3]
+        assert [r.prepared_ahead for r in result["reports"]] == [False, True, False]
         assert "tp=3 does not divide" in result["refused"][0]
         assert "has 2 ranks but the job has 4" in result["refused"][1]
         assert "pp=8" in result["refused"][2]
