@@ -260,7 +260,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Bench
         "placed": report.new,  # the new layout and the rank order the switch chose
         "steps_taken": steps_taken,  # optimizer steps before the switch
         "switch_seconds": switch_s,
-        "plan_seconds": report.plan_seconds,
+        "prepare_seconds": report.prepare_seconds,
         "dcp_seconds": save_s + load_s,
         "dcp_save_seconds": save_s,
         "dcp_load_seconds": load_s,
