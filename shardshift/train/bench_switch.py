@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 
 from shardshift.layout import Layout
 from shardshift.reshard.plan import plan_transition
+from shardshift.runtime import STORE_ENV
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
@@ -211,13 +212,20 @@ def _restart(cfg: TrainConfig, layout: Layout, path: Path, step: int, nproc: int
     return Restart(first_line - step_seconds, step_seconds, job_seconds)
 
 
+def _scratch_parent() -> str | None:
+    """Where checkpoints go: the local launcher's temporary directory, which it removes when the
+    job ends even if a worker was killed (the `finally` below then never runs); else the system's."""
+    store = os.environ.get(STORE_ENV)
+    return os.path.dirname(store) if store else None
+
+
 def run_switch_bench(cfg: TrainConfig, chain: list[Layout], rank: int, device_type: str, opts: BenchOptions) -> list[dict]:
     """Walk `chain` (cfg.layout == chain[0]); one record per transition, complete on rank 0."""
     assert cfg.layout == chain[0]
     tokens = load_tokens(cfg.data)
     trainer = Trainer(cfg, rank, device_type, tokens=tokens)
     trainer.train_step()  # AdamW state exists from here on
-    root = [tempfile.mkdtemp(prefix="shardshift-bench-switch-") if rank == 0 else None]
+    root = [tempfile.mkdtemp(prefix="shardshift-bench-switch-", dir=_scratch_parent()) if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     root = Path(root[0])
     try:
