@@ -27,9 +27,12 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    skip the random initialisation a `Trainer` does), then `checkpoint.load` fills it, barrier to
    barrier. A digest of each of its tensors is kept and the trainer is dropped, so the bench never
    holds two copies of B's state (the checkpoint is deleted too).
-5. **Online switch** (``switch_seconds``): `Trainer.switch(B, budget)` after a barrier, the slowest
-   rank's `SwitchReport.seconds`: planning, building B's model and meshes, moving every byte,
-   building the optimizer and the pipeline schedule; ready for the next step. The switched state is
+5. **Online switch** (``switch_seconds``): `Trainer.prepare_switch(B, budget)` first (planning,
+   building B's meshes and its model structure on the meta device: ``prepare_seconds``, not
+   counted, as the training loop prepares each switch ahead while it trains and as the DCP column
+   does not count building B's trainer), then `Trainer.switch` after a barrier, the slowest rank's
+   `SwitchReport.seconds`: moving every byte, allocating the new pieces as they fill, building the
+   optimizer, the DDP wrapper or the pipeline schedule; ready for the next step. The switched state is
    compared with the DCP-loaded one, bit for bit (``state_mismatches``: tensors that differ, over
    all ranks, the RNG state counted once per rank; 0 is the only correct value).
 6. One training step on the switched trainer (``step_after_seconds``, not part of any column), to
@@ -255,8 +258,9 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Bench
     if rank == 0:
         shutil.rmtree(path)
     steps_taken = trainer.progress.step
+    prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
     dist.barrier()
-    report = trainer.switch(after, opts.budget)
+    report = trainer.switch(prepared)
     switch_s = _max_over_ranks(report.seconds, device)
     assert trainer.par.ranks == ranks, (trainer.par.ranks, ranks)
     mismatches = torch.tensor([_mismatches(_digests(trainer), loaded)], device=device)

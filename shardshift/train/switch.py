@@ -115,8 +115,11 @@ class _TrainerSource:
     def release(self, index: int) -> None:
         t = self.tensors[index]
         if t.kind in ("param", *MOMENTS):
-            # The old model and optimizer are dropped after the switch; free the bytes now.
-            self.local(index).untyped_storage().resize_(0)
+            # The old model and optimizer are dropped after the switch; free the bytes now. A
+            # storage shared with numpy cannot shrink: it is freed with the old model instead.
+            storage = self.local(index).untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
 
 
 class _ModelSink:
