@@ -69,24 +69,14 @@ def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: t
     old_bytes = plan.held_bytes(plan.old_boxes, rank)
     account = _Account(old_bytes)
     spans = schedule.tensor_rounds
-    opens: dict[int, list[int]] = {}
-    closes: dict[int, list[int]] = {}
-    for tensor, (first, last) in spans.items():
-        if plan.new_boxes[rank][tensor] is not None:
-            opens.setdefault(first, []).append(tensor)
-        if plan.old_boxes[rank][tensor] is not None:
-            closes.setdefault(last, []).append(tensor)
-
-    def piece_bytes(boxes, tensor: int) -> int:
-        return boxes[rank][tensor].numel * plan.tensors[tensor].itemsize
-
+    opens, closes = schedule.lifetimes(rank)  # the same account the schedule was built to
     new_local: dict[int, torch.Tensor] = {}
     sent = received = copied = 0
     for index in range(len(schedule.rounds)):
         for tensor in opens.get(index, ()):
             new_local[tensor] = sink.open(tensor)
             assert tuple(new_local[tensor].shape) == plan.new_boxes[rank][tensor].sizes, plan.tensors[tensor]
-            account.add(piece_bytes(plan.new_boxes, tensor))
+            account.add(plan.piece_bytes(plan.new_boxes, rank, tensor))
         sends, recvs, local = schedule.messages(index, rank)
         outbox = [_outgoing(plan, m, source, device) for m in sends]
         inbox = [_incoming(plan, m, new_local, rank, device) for m in recvs]
@@ -109,7 +99,7 @@ def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: t
         del outbox, inbox
         for tensor in closes.get(index, ()):
             source.release(tensor)
-            account.sub(piece_bytes(plan.old_boxes, tensor))
+            account.sub(plan.piece_bytes(plan.old_boxes, rank, tensor))
     # Pieces no segment touched: empty new pieces, and old pieces nobody needed from this process.
     for tensor in range(len(plan.tensors)):
         if tensor not in spans:

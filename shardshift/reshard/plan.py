@@ -187,11 +187,13 @@ class TransitionPlan:
             _kept_bytes(self.tensors, self.old_boxes[r], self.new_boxes[r]) for r in range(self.world_size)
         )
 
-    def held_bytes(self, boxes: Holdings, rank: int) -> int:
-        return sum(t.itemsize * b.numel for t, b in zip(self.tensors, boxes[rank]) if b is not None)
+    def piece_bytes(self, boxes: Holdings, rank: int, tensor: int) -> int:
+        """Bytes of the piece of `tensor` that `rank` holds in `boxes` (0 for none)."""
+        box = boxes[rank][tensor]
+        return 0 if box is None else box.numel * self.tensors[tensor].itemsize
 
-    def received_bytes(self, rank: int) -> int:
-        return sum(self.segment_bytes(s) for s in self.segments if s.dst == rank and not s.local)
+    def held_bytes(self, boxes: Holdings, rank: int) -> int:
+        return sum(self.piece_bytes(boxes, rank, t) for t in range(len(self.tensors)))
 
     def sent_bytes(self, rank: int) -> int:
         return sum(self.segment_bytes(s) for s in self.segments if s.src == rank and not s.local)

@@ -84,12 +84,9 @@ class Schedule:
     def _memory(self, rank: int) -> list[tuple[int, int]]:
         """Per round: (bytes above the old state at its start, the most during it)."""
         plan, out, level = self.plan, [], 0
-        opens: dict[int, int] = {}
-        frees: dict[int, int] = {}
-        for t, (first, last) in self.tensor_rounds.items():
-            new, old = plan.new_boxes[rank][t], plan.old_boxes[rank][t]
-            opens[first] = opens.get(first, 0) + (0 if new is None else new.numel * plan.tensors[t].itemsize)
-            frees[last] = frees.get(last, 0) + (0 if old is None else old.numel * plan.tensors[t].itemsize)
+        opening, closing = self.lifetimes(rank)
+        opens = {i: sum(plan.piece_bytes(plan.new_boxes, rank, t) for t in ts) for i, ts in opening.items()}
+        frees = {i: sum(plan.piece_bytes(plan.old_boxes, rank, t) for t in ts) for i, ts in closing.items()}
         for index in range(len(self.rounds)):
             sends, recvs, _ = self.messages(index, rank)
             start = level
@@ -128,11 +125,22 @@ class Schedule:
         """What the first segment of round `index` costs `rank`: the pieces it opens, its buffers."""
         seg = self.rounds[index].segments[0]
         opened = self.tensor_rounds[seg.tensor][0] < index
-        box = self.plan.new_boxes[rank][seg.tensor]
-        cost = 0 if opened or box is None else box.numel * self.plan.tensors[seg.tensor].itemsize
+        cost = 0 if opened else self.plan.piece_bytes(self.plan.new_boxes, rank, seg.tensor)
         if not seg.local and rank in (seg.src, seg.dst):
             cost += align(self.plan.segment_bytes(seg))
         return cost
+
+    def lifetimes(self, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """For `rank`: the tensors whose new piece is allocated at the start of each round, and
+        those whose old piece is freed at its end (the first and last rounds of each tensor)."""
+        opens: dict[int, list[int]] = {}
+        closes: dict[int, list[int]] = {}
+        for tensor, (first, last) in self.tensor_rounds.items():
+            if self.plan.new_boxes[rank][tensor] is not None:
+                opens.setdefault(first, []).append(tensor)
+            if self.plan.old_boxes[rank][tensor] is not None:
+                closes.setdefault(last, []).append(tensor)
+        return opens, closes
 
     @functools.cached_property
     def tensor_rounds(self) -> dict[int, tuple[int, int]]:
@@ -177,7 +185,7 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Schedu
         raise ValueError(f"--switch-budget {budget} bytes is too small; give at least {MIN_BUDGET} (4K)")
     n = plan.world_size
     cap = max(1, budget // 4)
-    old_piece, new_piece = _piece_bytes(plan, plan.old_boxes), _piece_bytes(plan, plan.new_boxes)
+    old_piece, new_piece = _pieces(plan, plan.old_boxes), _pieces(plan, plan.new_boxes)
     limit = [_allowance(plan, r) + budget for r in range(n)]
     by_tensor: dict[int, list[Segment]] = {}
     for seg in plan.segments:
@@ -224,12 +232,9 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Schedu
     return Schedule(plan, budget, tuple(rounds))
 
 
-def _piece_bytes(plan: TransitionPlan, boxes) -> list[list[int]]:
+def _pieces(plan: TransitionPlan, boxes) -> list[list[int]]:
     """[tensor][process] bytes of the piece each process holds (0 for none)."""
-    return [
-        [0 if boxes[r][t] is None else boxes[r][t].numel * tensor.itemsize for r in range(plan.world_size)]
-        for t, tensor in enumerate(plan.tensors)
-    ]
+    return [[plan.piece_bytes(boxes, r, t) for r in range(plan.world_size)] for t in range(len(plan.tensors))]
 
 
 def _allowance(plan: TransitionPlan, rank: int) -> int:
@@ -247,7 +252,7 @@ def memory_order(plan: TransitionPlan) -> list[int]:
     of each pattern is a candidate, so this is fast for any model.
     """
     n = plan.world_size
-    old_piece, new_piece = _piece_bytes(plan, plan.old_boxes), _piece_bytes(plan, plan.new_boxes)
+    old_piece, new_piece = _pieces(plan, plan.old_boxes), _pieces(plan, plan.new_boxes)
     size = {t: list(zip(old_piece[t], new_piece[t])) for t in range(len(plan.tensors))}
     allowance = [_allowance(plan, r) for r in range(n)]
     queues: dict[tuple, list[int]] = {}

@@ -104,8 +104,7 @@ class TrainConfig:
                     f"{self.layout.world_size}; choose degrees whose product is {self.layout.world_size}"
                 )
             try:
-                check_layout(layout, self.model)
-                self.with_layout(layout)
+                self.with_layout(layout)  # checks the model and the batch under `layout`
             except ValueError as err:
                 raise ValueError(f"--switch {step}:{layout}: {err}") from None
             previous = step
