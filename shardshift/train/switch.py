@@ -4,18 +4,20 @@ Preparing (`prepare_switch`, which may run steps ahead while training goes on), 
 
 1. plans the switch from the trainer's assignment to the new layout (pure: `reshard.plan`), which
    refuses an invalid layout before anything changes;
-2. builds the new layout's meshes and its model on the meta device (TP plan, FSDP2) — no storage.
+2. builds the new layout's meshes, its model (TP plan, FSDP2) and its AdamW moments, every
+   tensor with its storage shrunk to zero bytes: the structure, and none of the memory.
 
 Switching, at a step boundary (no gradients, no activations), every rank:
 
-3. runs the schedule (`reshard.execute`): each new piece is allocated when the schedule first
-   writes it (a leaf module at a time for parameters, an AdamW moment at a time) and filled from
-   local copies and messages; each old piece is freed as soon as the schedule is done with it;
+3. runs the schedule (`reshard.execute`): each new piece gets its bytes back when the schedule
+   first writes it and is filled from local copies and messages; each old piece is freed as soon
+   as the schedule is done with it;
 4. builds the optimizer over the new parameters with the moved AdamW state, the pipeline schedule
    and the DDP wrapper where the layout needs them, and restores the step, data position and RNG.
 
-Old storage is freed by shrinking its storage to zero bytes (the old model is dropped right after):
-this is how memory stays within max(old state, new state) + the budget while a switch runs.
+Storage is given and taken back by resizing it (the way FSDP2 frees its unsharded parameters):
+this is how memory stays within max(old state, new state) + the budget while a switch runs, with
+no tensor constructed while training stands still.
 """
 
 from __future__ import annotations
@@ -123,34 +125,49 @@ class _TrainerSource:
 
 
 class _ModelSink:
-    """The new model's parameters and AdamW state, allocated as the schedule first writes them."""
+    """The new model's parameters and AdamW state, built with no bytes behind them.
+
+    Built while the switch is prepared: every tensor the new layout needs (DTensor and FSDP2
+    wrappers included) is created there, and its storage shrunk to zero bytes straight away. The
+    switch then only gives a storage its bytes back when the schedule first writes the piece, so
+    memory grows as the schedule allows and no tensor is constructed while training stands still.
+    """
 
     def __init__(self, model: nn.Module, space: GPTState, device: torch.device):
-        self.model, self.tensors, self.device = model, space.tensors, device
         self.optim_state: dict[str, dict[str, torch.Tensor]] = {}
         self.progress = torch.zeros(2, dtype=torch.int64)
         self.rng = torch.empty_like(torch.get_rng_state())
+        self.pieces: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (local piece, its bytes)
+        index = {(t.name, t.kind): i for i, t in enumerate(space.tensors)}
+        self.pieces[index["train", "progress"]] = (self.progress, 0)  # 0: kept, never freed
+        self.pieces[index["cpu", "rng"]] = (self.rng, 0)
+        for module_name, module in model.named_modules():
+            if next(module.parameters(recurse=False), None) is None:
+                continue
+            materialize(module, device)  # one module's parameters allocated at a time, then freed
+            for leaf, param in module.named_parameters(recurse=False):
+                fqn = f"{module_name}.{leaf}" if module_name else leaf
+                self._reserve(index[fqn, "param"], _local(param))
+                # AdamW keeps `step` as a 0-d float32 tensor on the CPU, the moments like the parameter.
+                state = {"step": torch.zeros((), dtype=torch.float32)}
+                for kind in MOMENTS:
+                    state[kind] = torch.empty_like(param)
+                    self._reserve(index[fqn, kind], _local(state[kind]))
+                self.pieces[index[fqn, "step"]] = (state["step"], 0)
+                self.optim_state[fqn] = state
 
-    def param(self, fqn: str) -> nn.Parameter:
-        module_name, leaf = fqn.rsplit(".", 1)
-        module = self.model.get_submodule(module_name)
-        if getattr(module, leaf).is_meta:
-            materialize(module, self.device)
-        return getattr(module, leaf)
+    def _reserve(self, index: int, local: torch.Tensor) -> None:
+        storage = local.untyped_storage()
+        if storage.nbytes() != local.numel() * local.element_size():
+            raise AssertionError(f"tensor {index}: its piece does not own its storage; it cannot be freed alone")
+        self.pieces[index] = (local, storage.nbytes())
+        storage.resize_(0)
 
     def open(self, index: int) -> torch.Tensor:
-        t = self.tensors[index]
-        if t.kind == "progress":
-            return self.progress
-        if t.kind == "rng":
-            return self.rng
-        param = self.param(t.name)
-        if t.kind == "param":
-            return _local(param)
-        # AdamW keeps `step` as a 0-d float32 tensor on the CPU, the moments like the parameter.
-        value = torch.zeros((), dtype=torch.float32) if t.kind == "step" else torch.empty_like(param)
-        self.optim_state.setdefault(t.name, {})[t.kind] = value
-        return _local(value)
+        local, nbytes = self.pieces[index]
+        if nbytes:
+            local.untyped_storage().resize_(nbytes)
+        return local
 
 
 @dataclasses.dataclass
@@ -161,8 +178,9 @@ class PreparedSwitch:
     plan: TransitionPlan
     schedule: Schedule
     par: Parallel  # the new layout's meshes
-    model: nn.Module  # its model, parallelized, on the meta device
+    model: nn.Module  # its model, parallelized, every tensor of it with no storage yet
     space: GPTState
+    sink: _ModelSink  # that model's parameters and AdamW state, by logical tensor
     seconds: float  # time it took to prepare, on this rank
 
 
@@ -179,7 +197,8 @@ def prepare_switch(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Pre
     schedule = build_schedule(plan, budget)
     par = build_parallel(layout, trainer.rank, trainer.par.device.type, plan.new.ranks)
     model = build_stage_skeleton(cfg.model, par, cfg.param_dtype)
-    return PreparedSwitch(cfg, plan, schedule, par, model, space, time.perf_counter() - start)
+    sink = _ModelSink(model, space, par.device)
+    return PreparedSwitch(cfg, plan, schedule, par, model, space, sink, time.perf_counter() - start)
 
 
 def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
@@ -198,11 +217,11 @@ def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAU
             f"this switch was prepared from {prepared.plan.old}, but the trainer is under "
             f"{trainer.assignment}; prepare it again"
         )
-    cfg, plan, par, model, space = prepared.cfg, prepared.plan, prepared.par, prepared.model, prepared.space
+    cfg, plan, par, model, sink = prepared.cfg, prepared.plan, prepared.par, prepared.model, prepared.sink
     rank, old = trainer.rank, trainer.assignment
 
     trainer.drop_runtime()  # the DDP wrapper's buckets and the pipeline schedule go first
-    source, sink = _TrainerSource(trainer, space), _ModelSink(model, space, par.device)
+    source = _TrainerSource(trainer, prepared.space)
     stats = execute(prepared.schedule, rank, source, sink, par.device)
 
     optimizer = build_optimizer(model, cfg.optim)
