@@ -9,9 +9,13 @@ The executor knows the state only through two small interfaces, so it serves any
 
 Every process walks the same rounds (see `schedule.py` for why this cannot deadlock). Within a
 round, local copies run while messages are in flight. Large segments are sent from, and received
-into, the state tensors themselves wherever their slice is contiguous: no packing copy. The executor keeps an account of the bytes of
-state and buffers this process holds as it goes, and reports its peak: the figure that the budget
-bounds (on CUDA the caching allocator's own peak is reported alongside).
+into, the state tensors themselves wherever their slice is contiguous: no packing copy.
+
+`compile_program` turns the schedule into what one process does, round by round, with every slice
+and offset worked out; it is pure and runs when the switch is prepared, so that the switch itself
+only copies and communicates. `execute` runs it, keeping an account of the bytes of state and
+buffers the process holds as it goes, and reports its peak: the figure that the budget bounds (on
+CUDA the caching allocator's own peak is reported alongside).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shardshift.reshard.plan import Segment
+from shardshift.reshard.plan import TransitionPlan
 from shardshift.reshard.schedule import Message, Schedule
 
 
@@ -35,6 +39,100 @@ class Source(Protocol):
 
 class Sink(Protocol):
     def open(self, tensor: int) -> torch.Tensor: ...
+
+
+Slices = tuple[slice, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One segment's bytes in a message: where they are in the local piece and in the buffer."""
+
+    tensor: int
+    where: Slices  # in this process's old piece (sending) or new piece (receiving)
+    offset: int  # bytes into a packed message
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A message as one end of it sees it."""
+
+    peer: int
+    nbytes: int
+    direct: bool  # one segment, sent from / received into the state tensor where it is contiguous
+    parts: tuple[Part, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    tensor: int
+    new: Slices
+    old: Slices
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One round, as one process runs it."""
+
+    opens: tuple[tuple[int, int], ...]  # (tensor, bytes): new pieces allocated first
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    copies: tuple[Copy, ...]
+    closes: tuple[tuple[int, int], ...]  # (tensor, bytes): old pieces freed last
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything one process does in a switch (`compile_program`)."""
+
+    rank: int
+    steps: tuple[Step, ...]
+    idle_opens: tuple[int, ...]  # new pieces no segment writes (empty shards): allocated at the end
+    idle_closes: tuple[int, ...]  # old pieces no segment reads: freed at the end
+    old_bytes: int
+    new_bytes: int
+
+
+def compile_program(schedule: Schedule, rank: int) -> Program:
+    """What `rank` does in each round of `schedule`, every slice and offset computed."""
+    plan = schedule.plan
+    opens, closes = schedule.lifetimes(rank)  # the same account the schedule was built to
+    steps = []
+    for index in range(len(schedule.rounds)):
+        sends, recvs, local = schedule.messages(index, rank)
+        steps.append(Step(
+            opens=tuple((t, plan.piece_bytes(plan.new_boxes, rank, t)) for t in opens.get(index, ())),
+            sends=tuple(_transfer(plan, m, m.dst, plan.old_boxes[rank]) for m in sends),
+            recvs=tuple(_transfer(plan, m, m.src, plan.new_boxes[rank]) for m in recvs),
+            copies=tuple(
+                Copy(seg.tensor, seg.box.relative_to(plan.new_boxes[rank][seg.tensor]),
+                     seg.box.relative_to(plan.old_boxes[rank][seg.tensor]))
+                for seg in local
+            ),
+            closes=tuple((t, plan.piece_bytes(plan.old_boxes, rank, t)) for t in closes.get(index, ())),
+        ))
+    spans = schedule.tensor_rounds
+    idle = [t for t in range(len(plan.tensors)) if t not in spans]
+    return Program(
+        rank=rank,
+        steps=tuple(steps),
+        idle_opens=tuple(t for t in idle if plan.new_boxes[rank][t] is not None),
+        idle_closes=tuple(t for t in idle if plan.old_boxes[rank][t] is not None),
+        old_bytes=plan.held_bytes(plan.old_boxes, rank),
+        new_bytes=plan.held_bytes(plan.new_boxes, rank),
+    )
+
+
+def _transfer(plan: TransitionPlan, message: Message, peer: int, boxes) -> Transfer:
+    parts = []
+    for seg, offset in zip(message.segments, message.offsets):
+        tensor = plan.tensors[seg.tensor]
+        parts.append(Part(seg.tensor, seg.box.relative_to(boxes[seg.tensor]), offset,
+                          plan.segment_bytes(seg), tensor.dtype, seg.box.sizes))
+    return Transfer(peer, message.nbytes, message.direct, tuple(parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,111 +160,94 @@ class _Account:
 
 
 @torch.no_grad()
-def execute(schedule: Schedule, rank: int, source: Source, sink: Sink, device: torch.device) -> ExecStats:
-    """Move this process's part of `schedule` (a collective: every process of the plan calls it)."""
-    plan = schedule.plan
+def execute(program: Program, source: Source, sink: Sink, device: torch.device) -> ExecStats:
+    """Run this process's part of a switch (a collective: every process of the plan runs its own)."""
     start = time.perf_counter()
-    old_bytes = plan.held_bytes(plan.old_boxes, rank)
-    account = _Account(old_bytes)
-    spans = schedule.tensor_rounds
-    opens, closes = schedule.lifetimes(rank)  # the same account the schedule was built to
+    account = _Account(program.old_bytes)
     new_local: dict[int, torch.Tensor] = {}
     sent = received = copied = 0
-    for index in range(len(schedule.rounds)):
-        for tensor in opens.get(index, ()):
+    for index, step in enumerate(program.steps):
+        for tensor, nbytes in step.opens:
             new_local[tensor] = sink.open(tensor)
-            assert tuple(new_local[tensor].shape) == plan.new_boxes[rank][tensor].sizes, plan.tensors[tensor]
-            account.add(plan.piece_bytes(plan.new_boxes, rank, tensor))
-        sends, recvs, local = schedule.messages(index, rank)
-        outbox = [_outgoing(plan, m, source, device) for m in sends]
-        inbox = [_incoming(plan, m, new_local, rank, device) for m in recvs]
+            account.add(nbytes)
+        outbox = [_outgoing(m, source, device) for m in step.sends]
+        inbox = [_incoming(m, new_local, device) for m in step.recvs]
         in_flight = sum(t.numel() * t.element_size() for t, fresh in outbox + inbox if fresh)
         account.add(in_flight)
-        works = _post(sends, [t for t, _ in outbox], recvs, [t for t, _ in inbox], tag=index, device=device)
-        for seg in local:  # overlaps the messages in flight
-            box = plan.old_boxes[rank][seg.tensor]
-            target = plan.new_boxes[rank][seg.tensor]
-            new_local[seg.tensor][seg.box.relative_to(target)].copy_(source.local(seg.tensor)[seg.box.relative_to(box)])
-            copied += plan.segment_bytes(seg)
+        works = _post(step.sends, [t for t, _ in outbox], step.recvs, [t for t, _ in inbox], tag=index, device=device)
+        for c in step.copies:  # overlaps the messages in flight
+            target = new_local[c.tensor][c.new]
+            target.copy_(source.local(c.tensor)[c.old])
+            copied += target.numel() * target.element_size()
         for work in works:
             work.wait()
-        for message, (buf, fresh) in zip(recvs, inbox):
+        for message, (buf, fresh) in zip(step.recvs, inbox):
             if fresh:
-                _unpack(plan, message, buf, new_local, rank)
-        sent += sum(m.nbytes for m in sends)
-        received += sum(m.nbytes for m in recvs)
+                _unpack(message, buf, new_local)
+        sent += sum(m.nbytes for m in step.sends)
+        received += sum(m.nbytes for m in step.recvs)
         account.sub(in_flight)
         del outbox, inbox
-        for tensor in closes.get(index, ()):
+        for tensor, nbytes in step.closes:
             source.release(tensor)
-            account.sub(plan.piece_bytes(plan.old_boxes, rank, tensor))
-    # Pieces no segment touched: empty new pieces, and old pieces nobody needed from this process.
-    for tensor in range(len(plan.tensors)):
-        if tensor not in spans:
-            if plan.new_boxes[rank][tensor] is not None:
-                sink.open(tensor)
-            if plan.old_boxes[rank][tensor] is not None:
-                source.release(tensor)
+            account.sub(nbytes)
+    for tensor in program.idle_opens:
+        sink.open(tensor)
+    for tensor in program.idle_closes:
+        source.release(tensor)
     return ExecStats(
         seconds=time.perf_counter() - start,
-        rounds=len(schedule.rounds),
+        rounds=len(program.steps),
         bytes_sent=sent,
         bytes_received=received,
         bytes_copied=copied,
-        old_bytes=old_bytes,
-        new_bytes=plan.held_bytes(plan.new_boxes, rank),
+        old_bytes=program.old_bytes,
+        new_bytes=program.new_bytes,
         peak_bytes=account.peak,
     )
 
 
-def _segment_view(buf: torch.Tensor, offset: int, nbytes: int, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
-    return buf[offset : offset + nbytes].view(dtype).view(seg.box.sizes)
+def _packed_view(buf: torch.Tensor, part: Part) -> torch.Tensor:
+    return buf[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape)
 
 
-def _outgoing(plan, message: Message, source: Source, device: torch.device) -> tuple[torch.Tensor, bool]:
+def _outgoing(message: Transfer, source: Source, device: torch.device) -> tuple[torch.Tensor, bool]:
     """What to send for `message`, and whether it is a new buffer (else a view of the old piece)."""
     if message.direct:
-        seg = message.segments[0]
-        view = source.local(seg.tensor)[seg.box.relative_to(plan.old_boxes[message.src][seg.tensor])]
+        part = message.parts[0]
+        view = source.local(part.tensor)[part.where]
         if view.is_contiguous() and view.device == device:
             return view, False
         return view.to(device, copy=True, memory_format=torch.contiguous_format), True
     buf = torch.empty(message.nbytes, dtype=torch.uint8, device=device)
-    for seg, offset in zip(message.segments, message.offsets):
-        tensor = plan.tensors[seg.tensor]
-        box = plan.old_boxes[message.src][seg.tensor]
-        view = _segment_view(buf, offset, plan.segment_bytes(seg), seg, tensor.dtype)
-        view.copy_(source.local(seg.tensor)[seg.box.relative_to(box)])
+    for part in message.parts:
+        _packed_view(buf, part).copy_(source.local(part.tensor)[part.where])
     return buf, True
 
 
-def _incoming(plan, message: Message, new_local: dict[int, torch.Tensor], rank: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+def _incoming(message: Transfer, new_local: dict[int, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
     """Where to receive `message`, and whether it is a new buffer (else the new piece itself)."""
     if message.direct:
-        seg = message.segments[0]
-        target = new_local[seg.tensor][seg.box.relative_to(plan.new_boxes[rank][seg.tensor])]
+        part = message.parts[0]
+        target = new_local[part.tensor][part.where]
         if target.is_contiguous() and target.device == device:
             return target, False
         return torch.empty(target.shape, dtype=target.dtype, device=device), True
     return torch.empty(message.nbytes, dtype=torch.uint8, device=device), True
 
 
-def _unpack(plan, message: Message, buf: torch.Tensor, new_local: dict[int, torch.Tensor], rank: int) -> None:
-    for seg, offset in zip(message.segments, message.offsets):
-        target = new_local[seg.tensor][seg.box.relative_to(plan.new_boxes[rank][seg.tensor])]
-        if message.direct:
-            target.copy_(buf)
-        else:
-            tensor = plan.tensors[seg.tensor]
-            target.copy_(_segment_view(buf, offset, plan.segment_bytes(seg), seg, tensor.dtype))
+def _unpack(message: Transfer, buf: torch.Tensor, new_local: dict[int, torch.Tensor]) -> None:
+    for part in message.parts:
+        target = new_local[part.tensor][part.where]
+        target.copy_(buf if message.direct else _packed_view(buf, part))
 
 
 def _post(sends, send_bufs, recvs, recv_bufs, tag: int, device: torch.device) -> list:
     """Post every receive and send of a round before waiting on any (see `schedule.py`)."""
     if device.type == "cuda":
-        ops = [dist.P2POp(dist.irecv, buf, m.src) for m, buf in zip(recvs, recv_bufs)]
-        ops += [dist.P2POp(dist.isend, buf, m.dst) for m, buf in zip(sends, send_bufs)]
+        ops = [dist.P2POp(dist.irecv, buf, m.peer) for m, buf in zip(recvs, recv_bufs)]
+        ops += [dist.P2POp(dist.isend, buf, m.peer) for m, buf in zip(sends, send_bufs)]
         return dist.batch_isend_irecv(ops) if ops else []
-    works = [dist.irecv(buf, src=m.src, tag=tag) for m, buf in zip(recvs, recv_bufs)]
-    works += [dist.isend(buf, dst=m.dst, tag=tag) for m, buf in zip(sends, send_bufs)]
+    works = [dist.irecv(buf, src=m.peer, tag=tag) for m, buf in zip(recvs, recv_bufs)]
+    works += [dist.isend(buf, dst=m.peer, tag=tag) for m, buf in zip(sends, send_bufs)]
     return works

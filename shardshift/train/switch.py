@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardshift.layout import Layout
-from shardshift.reshard.execute import execute
+from shardshift.reshard.execute import Program, compile_program, execute
 from shardshift.reshard.plan import TransitionPlan, plan_transition
 from shardshift.reshard.schedule import DEFAULT_BUDGET, Schedule, build_schedule
 from shardshift.train.config import TrainConfig
@@ -96,9 +96,15 @@ class _TrainerSource:
         self.state = trainer.optimizer.state
         self.progress = torch.tensor([trainer.progress.step, trainer.progress.position], dtype=torch.int64)
         self.rng = torch.get_rng_state()
-        self.fresh: dict[int, torch.Tensor] = {}  # AdamW state not created yet (no step taken): zeros
+        self.pieces: dict[int, torch.Tensor] = {}
 
     def local(self, index: int) -> torch.Tensor:
+        piece = self.pieces.get(index)
+        if piece is None:
+            piece = self.pieces[index] = self._find(index)
+        return piece
+
+    def _find(self, index: int) -> torch.Tensor:
         t = self.tensors[index]
         if t.kind == "progress":
             return self.progress
@@ -110,9 +116,8 @@ class _TrainerSource:
         state = self.state.get(param)
         if state:
             return _local(state[t.kind])
-        if index not in self.fresh:
-            self.fresh[index] = torch.zeros(()) if t.kind == "step" else torch.zeros_like(_local(param))
-        return self.fresh[index]
+        # AdamW state not created yet (no step taken): zeros
+        return torch.zeros(()) if t.kind == "step" else torch.zeros_like(_local(param))
 
     def release(self, index: int) -> None:
         t = self.tensors[index]
@@ -181,6 +186,7 @@ class PreparedSwitch:
     model: nn.Module  # its model, parallelized, every tensor of it with no storage yet
     space: GPTState
     sink: _ModelSink  # that model's parameters and AdamW state, by logical tensor
+    program: Program  # this rank's part of the schedule, every slice worked out
     seconds: float  # time it took to prepare, on this rank
 
 
@@ -198,7 +204,8 @@ def prepare_switch(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> Pre
     par = build_parallel(layout, trainer.rank, trainer.par.device.type, plan.new.ranks)
     model = build_stage_skeleton(cfg.model, par, cfg.param_dtype)
     sink = _ModelSink(model, space, par.device)
-    return PreparedSwitch(cfg, plan, schedule, par, model, space, sink, time.perf_counter() - start)
+    program = compile_program(schedule, trainer.rank)
+    return PreparedSwitch(cfg, plan, schedule, par, model, space, sink, program, time.perf_counter() - start)
 
 
 def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
@@ -222,7 +229,7 @@ def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAU
 
     trainer.drop_runtime()  # the DDP wrapper's buckets and the pipeline schedule go first
     source = _TrainerSource(trainer, prepared.space)
-    stats = execute(prepared.schedule, rank, source, sink, par.device)
+    stats = execute(prepared.program, source, sink, par.device)
 
     optimizer = build_optimizer(model, cfg.optim)
     for fqn, param in model.named_parameters():
