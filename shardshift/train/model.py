@@ -66,7 +66,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layer=8, n_head=8, d_model=128, seq_len=128),
     "small": ModelConfig(n_layer=8, n_head=8, d_model=256, seq_len=256),
     "medium": ModelConfig(n_layer=12, n_head=8, d_model=512, seq_len=256),
-    "base": ModelConfig(n_layer=12, n_head=12, d_model=768, seq_len=256),  # about 100M parameters
+    "base": ModelConfig(n_layer=16, n_head=12, d_model=768, seq_len=256),  # 114M parameters
 }
 
 
