@@ -28,8 +28,8 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    barrier. A digest of each of its tensors is kept and the trainer is dropped, so the bench never
    holds two copies of B's state (the checkpoint is deleted too).
 5. **Online switch** (``switch_seconds``): `Trainer.prepare_switch(B, budget)` first (planning,
-   building B's meshes and its model structure on the meta device: ``prepare_seconds``, not
-   counted, as the training loop prepares each switch ahead while it trains and as the DCP column
+   building B's meshes, its model and AdamW tensors with no storage behind them, and this rank's
+   program of the schedule: ``prepare_seconds``, not counted, as the training loop prepares each switch ahead while it trains and as the DCP column
    does not count building B's trainer), then `Trainer.switch` after a barrier, the slowest rank's
    `SwitchReport.seconds`: moving every byte, allocating the new pieces as they fill, building the
    optimizer, the DDP wrapper or the pipeline schedule; ready for the next step. The switched state is
@@ -37,6 +37,10 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    all ranks, the RNG state counted once per rank; 0 is the only correct value).
 6. One training step on the switched trainer (``step_after_seconds``, not part of any column), to
    show that training goes on.
+
+Before each transition every rank hands the memory its allocator keeps free back to the system
+(glibc's ``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed
+pieces of earlier transitions would otherwise count against the machine's memory twice.
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -46,6 +50,8 @@ pair is busy. Local copies (``bytes_kept``) are not counted in it. Every time is
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import gc
 import hashlib
@@ -241,6 +247,7 @@ def run_switch_bench(cfg: TrainConfig, chain: list[Layout], rank: int, device_ty
 def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: BenchOptions) -> dict:
     """Steps 1 to 6 of the module's docstring for one transition; the record (complete on rank 0)."""
     before, rank, device = trainer.cfg.layout, trainer.rank, trainer.par.device
+    _return_free_memory()
     rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device)
     path, save_s = _timed(lambda: checkpoint.save(trainer, str(root / "ckpt")), device)
     restart, restart_error = None, None
@@ -296,6 +303,16 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Bench
         "step_after_seconds": step_s,
         "loss_after": result.loss,
     }
+
+
+def _return_free_memory() -> None:
+    """Collect garbage and ask glibc, where it is the allocator, to give free heap pages back."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
 
 
 def _dcp_reference(trainer: Trainer, after: Layout, path: Path, tokens):
