@@ -189,7 +189,52 @@ def _backend_cases(rank: int, n: int) -> dict:
     out["ddp"] = _train_ddp(g, rank)
     out["fsdp"] = _train_fsdp(g, rank, n)
     dist.destroy_process_group(g)
+    out["auto"] = _auto_cases(rank, n)
+    out["chooser"] = _chooser_cases(rank)
     return out
+
+
+def _auto_cases(rank: int, n: int) -> dict:
+    """algorithm="auto": results stay right through the trial calls and after, picks agree."""
+    import shardshift.collectives.backend as backend
+
+    g = dist.new_group(backend="shardshift", pg_options=backend.ShardShiftOptions(algorithm="auto", trials=2))
+    checks = []
+    for _ in range(6):  # 4 trial calls (trees, gloo, trees, gloo), then the pick
+        x = torch.arange(1000, dtype=torch.float64) * (rank + 1)
+        dist.all_reduce(x, group=g)
+        checks.append(torch.equal(x, torch.arange(1000, dtype=torch.float64) * sum(range(1, n + 1))))
+        y = torch.full((300,), float(rank))
+        dist.broadcast(y, src=1, group=g)
+        checks.append(torch.equal(y, torch.ones(300)))
+    out = {"checks": checks, "choices": sorted(g.choices.items())}  # new_group gives the backend itself
+    dist.destroy_process_group(g)
+    return out
+
+
+class _ScriptedClock:
+    """A clock whose successive readings are given: a call's time is end - start."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self._readings = [v for d in durations for v in (0.0, d)]
+
+    def __call__(self) -> float:
+        return self._readings.pop(0)
+
+
+def _chooser_cases(rank: int) -> list:
+    """The pick goes by the slowest rank's time: trees are faster on rank 0 only, so gloo wins."""
+    from shardshift.collectives.backend import Chooser
+
+    ran = []
+    trees, gloo = (lambda: ran.append("trees")), (lambda: ran.append("gloo"))
+    # Per call, in turn trees, gloo, trees, gloo: rank 0 sees trees at 1 s and gloo at 2 s; the
+    # others see trees at 5 s and gloo at 3 s. Slowest ranks: trees 5 s, gloo 3 s: gloo.
+    durations = [1.0, 2.0, 1.0, 2.0] if rank == 0 else [5.0, 3.0, 6.0, 3.0]
+    chooser = Chooser(dist.group.WORLD, trials=2, clock=_ScriptedClock(durations))
+    for _ in range(6):
+        chooser.run(("all_reduce", "float32", 10), trees, gloo)
+    return [ran, dict(chooser.choices)]
 
 
 def _model() -> torch.nn.Module:
@@ -252,3 +297,11 @@ def test_backend_ops_ddp_and_fsdp_match_gloo():
         # float64 training, 4 AdamW steps: the sums associate differently, nothing else differs.
         assert report["ddp"] < 1e-10, report["ddp"]
         assert report["fsdp"] < 1e-10, report["fsdp"]
+        auto = report["auto"]
+        assert all(auto["checks"]) and len(auto["checks"]) == 12, (rank, auto["checks"])
+        assert [key for key, _ in auto["choices"]] == [("all_reduce", "torch.float64", 12),
+                                                       ("broadcast/1", "torch.float32", 10)]
+        assert auto["choices"] == reports[0]["auto"]["choices"]  # every rank picked alike
+        ran, choices = report["chooser"]
+        assert ran == ["trees", "gloo", "trees", "gloo", "gloo", "gloo"], (rank, ran)
+        assert choices == {("all_reduce", "float32", 10): "gloo"}

@@ -38,7 +38,8 @@ from pathlib import Path
 from shardshift.cli.topo import add_topology_arguments, topology_from_args
 from shardshift.collectives.ops import Collective
 
-_IMPLS = ("gloo", "ring", "trees")
+# auto: the shardshift backend with algorithm="auto" (picks trees or gloo per size by timing both).
+_IMPLS = ("gloo", "ring", "trees", "auto")
 _TYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -61,7 +62,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=_TYPES)
     p.add_argument("--redop", default="sum", choices=["sum", "product", "min", "max", "avg"])
     p.add_argument("--iters", type=int, default=3, help="timed rounds per size (median reported)")
-    p.add_argument("--impls", default=",".join(_IMPLS), help="comma list of gloo, ring, trees")
+    p.add_argument("--impls", default=",".join(_IMPLS), help="comma list of gloo, ring, trees, auto")
     p.add_argument("--mode", default=None, choices=["dataflow", "stepped"], help="tree executor mode")
     p.add_argument("--min-chunk-bytes", type=int, default=256 * 1024, help="pipeline chunk floor")
     p.add_argument("--max-chunks", type=int, default=64, help="pipeline chunks per tree, at most")
@@ -212,6 +213,8 @@ def _row(r: dict, op: Collective, args, n: int, bound: float | None, scale: floa
         "plan_algbw_gbps": r["packing_rate"] / 1e9 if r["packing_rate"] else None,
         "nproc": n, "emulate_scale": scale if args.emulate else None,
     }  # fmt: skip
+    if "picked" in r:
+        row["picked"] = r["picked"]  # auto: what the backend chose for this size
     if bound is not None:
         row["bound_algbw_gbps"] = bound / 1e9
         row["of_bound"] = algbw / row["bound_algbw_gbps"]
@@ -234,4 +237,7 @@ def _print_table(rows: list[dict], op: Collective, topology, n: int, scale: floa
         print(f"{r['bytes']:>10} {r['count']:>10} {r['type']:>8} {r['redop'] or '-':>6} "
               f"{'-' if r['root'] is None else r['root']:>4} {r['impl']:>6} {r['time_us']:11.1f} "
               f"{r['algbw_gbps']:8.4f} {r['busbw_gbps']:8.4f} {r['wrong']:>6} {bound} {speedup}")  # fmt: skip
+    picks = [f"{r['bytes']}: {r['picked']}" for r in rows if r.get("picked")]
+    if picks:
+        print("# auto picked " + ", ".join(picks))
     print("# algbw, busbw, bound: GB/s (1e9 bytes/s); vs gloo: gloo's time / this time")

@@ -4,7 +4,8 @@
 
 Joins the group from RANK / WORLD_SIZE / SHARDSHIFT_STORE (emulate.init_process_group_from_env),
 with `probe` measures the topology first (probe.py), then for every size runs each implementation (gloo's own collective, the ring, the packed trees)
-once to warm up (plans are built there, not in the timed calls), then `iters` rounds in which the
+once to warm up (plans are built there, not in the timed calls; `auto`, the shardshift backend
+picking by measurement, runs its trial calls there and is timed on what it picked), then `iters` rounds in which the
 implementations take turns in a rotating order, so drifts of a shared machine hit all alike.
 A timed call starts after a barrier; its time is the slowest rank's. Results are checked against
 values computed locally (inputs are small integers, so sums are exact in every dtype here) and
@@ -87,6 +88,7 @@ class Case:
             self.output.zero_()
 
     def run(self, impl) -> None:
+        """One call: on a TreeCollectives, else through torch.distributed (gloo, or a group)."""
         op, red = self.op, self.red
         if isinstance(impl, TreeCollectives):
             if op is Collective.BROADCAST:
@@ -100,17 +102,17 @@ class Case:
             else:
                 impl.reduce_scatter(self.output, self.input, red)
             return
-        torch_op = _TORCH_OPS[red]
+        torch_op, group = _TORCH_OPS[red], None if impl == "gloo" else impl
         if op is Collective.BROADCAST:
-            dist.broadcast(self.output, self.root)
+            dist.broadcast(self.output, self.root, group=group)
         elif op is Collective.REDUCE:
-            dist.reduce(self.output, self.root, torch_op)
+            dist.reduce(self.output, self.root, torch_op, group=group)
         elif op is Collective.ALLREDUCE:
-            dist.all_reduce(self.output, torch_op)
+            dist.all_reduce(self.output, torch_op, group=group)
         elif op is Collective.ALLGATHER:
-            dist.all_gather_into_tensor(self.output, self.input)
+            dist.all_gather_into_tensor(self.output, self.input, group=group)
         else:
-            dist.reduce_scatter_tensor(self.output, self.input, torch_op)
+            dist.reduce_scatter_tensor(self.output, self.input, torch_op, group=group)
 
     def wrong(self) -> int:
         """Elements that differ from the reference (only the root's result counts for reduce)."""
@@ -120,6 +122,23 @@ class Case:
         rtol = 1e-2 if self.dtype in (torch.bfloat16, torch.float16) else 1e-6
         ok = torch.isclose(got, self.expected, rtol=rtol, atol=0)
         return int((~ok).sum())
+
+
+AUTO_TRIALS = 2
+
+
+def _picked(group, op: Collective, case: Case) -> str | None:
+    """What the auto group picked for this case's calls ("trees" or "gloo")."""
+    picks = {key[0].split("/")[0]: choice for key, choice in group.choices.items()
+             if key[1] == str(case.dtype) and key[2] == _size_class(case)}  # fmt: skip
+    name = {Collective.BROADCAST: "broadcast", Collective.REDUCE: "reduce", Collective.ALLREDUCE: "all_reduce",
+            Collective.ALLGATHER: "all_gather", Collective.REDUCESCATTER: "reduce_scatter"}[op]  # fmt: skip
+    return picks.get(name)
+
+
+def _size_class(case: Case) -> int:
+    tensor = case.input if case.op is Collective.ALLGATHER else case.output
+    return max(tensor.numel() * tensor.element_size(), 1).bit_length() - 1
 
 
 def main(config_path: str) -> None:
@@ -141,6 +160,11 @@ def main(config_path: str) -> None:
     for name in cfg["impls"]:
         if name == "gloo":
             impls[name] = "gloo"
+        elif name == "auto":
+            from shardshift.collectives.backend import ShardShiftOptions
+
+            impls[name] = dist.new_group(backend="shardshift", pg_options=ShardShiftOptions(
+                topology=topology, run=options, algorithm="auto", trials=AUTO_TRIALS))
         elif name == "ring":
             impls[name] = TreeCollectives(world, topology, options, packer=ring_packing)
         else:
@@ -155,9 +179,10 @@ def main(config_path: str) -> None:
         times = torch.zeros(len(names), iters, dtype=torch.float64)
         wrong = torch.zeros(len(names), dtype=torch.float64)
         for i, name in enumerate(names):
-            case.reset()
-            case.run(impls[name])  # warm-up: connections, plans
-            wrong[i] += case.wrong()
+            for _ in range(2 * AUTO_TRIALS if name == "auto" else 1):
+                case.reset()
+                case.run(impls[name])  # warm-up: connections, plans, auto's trial calls
+                wrong[i] += case.wrong()
         for rep in range(iters):
             for j in range(len(names)):
                 i = (j + rep) % len(names)
@@ -172,12 +197,14 @@ def main(config_path: str) -> None:
         for i, name in enumerate(names):
             impl = impls[name]
             packing = impl.packing(op, root) if isinstance(impl, TreeCollectives) else None
+            picked = _picked(impl, op, case) if name == "auto" else None
             rows.append({
                 "impl": name, "bytes": case.count * case.output.element_size(), "count": case.count,
                 "seconds": statistics.median(times[i].tolist()), "all_seconds": times[i].tolist(),
                 "wrong": int(wrong[i]),
                 "num_trees": len(packing.trees) if packing else None,
                 "packing_rate": packing.rate if packing else None,
+                **({"picked": picked} if name == "auto" else {}),
             })  # fmt: skip
     if rank == 0:
         info = {"world_size": n}

@@ -33,9 +33,11 @@ refused with a message. Nothing here has run on a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -50,6 +52,7 @@ from shardshift.collectives.topology_spec import DEFAULT_SPEC, is_probe, topolog
 
 BACKEND_NAME = "shardshift"
 TOPOLOGY_ENV = "SHARDSHIFT_TOPOLOGY"
+ALGORITHMS = ("trees", "auto")
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,20 @@ class ShardShiftOptions:
     run: RunOptions = field(default_factory=RunOptions)  # planning and executor knobs
     # Collectives of fewer bytes go to gloo's own algorithm (its latency is lower; 0: none do).
     small_bytes: int = 0
+    # "trees": every tree collective runs on trees. "auto": per op, dtype and size class (bytes
+    # rounded down to a power of two), the first 2 * `trials` calls alternate between trees and
+    # gloo's own algorithm, timed, and later calls of the class run the faster by the slowest
+    # rank's time, so every rank picks alike (`ShardShiftProcessGroup.choices` shows the picks).
+    algorithm: str = "trees"
+    trials: int = 2
 
     def __post_init__(self) -> None:
         if self.small_bytes < 0:
             raise ValueError(f"small_bytes={self.small_bytes}: give a byte count >= 0")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r}: give one of {', '.join(ALGORITHMS)}")
+        if self.trials < 1:
+            raise ValueError(f"trials={self.trials}: give at least 1 timed call of each algorithm")
 
     def topology_spec(self) -> str | Topology:
         return self.topology if self.topology is not None else os.environ.get(TOPOLOGY_ENV, DEFAULT_SPEC)
@@ -96,6 +109,36 @@ class _TreeWork(dist.Work):
         return self._future.value()
 
 
+class Chooser:
+    """Picks trees or gloo's own algorithm for each class of call by timing both (`algorithm="auto"`).
+
+    Runs on the group's worker thread only, which takes calls in issue order, the same on every
+    rank: the trial calls, and the all-reduce of their times that decides, line up across ranks.
+    """
+
+    def __init__(self, group, trials: int, clock=time.perf_counter) -> None:
+        self._group, self._trials, self._clock = group, trials, clock
+        self._times: dict[tuple, tuple[list[float], list[float]]] = {}  # class -> (trees, gloo)
+        self.choices: dict[tuple, str] = {}  # class -> "trees" or "gloo"
+
+    def run(self, key: tuple, trees, gloo) -> None:
+        choice = self.choices.get(key)
+        if choice is not None:
+            return (trees if choice == "trees" else gloo)()
+        times = self._times.setdefault(key, ([], []))
+        turn = 0 if len(times[0]) <= len(times[1]) else 1
+        start = self._clock()
+        (trees, gloo)[turn]()
+        times[turn].append(self._clock() - start)
+        if len(times[1]) == self._trials:
+            best = torch.tensor([min(times[0]), min(times[1])], dtype=torch.float64)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX  # a call lasts as long as its slowest rank
+            self._group.allreduce([best], opts).wait()
+            self.choices[key] = "trees" if best[0] <= best[1] else "gloo"
+            del self._times[key]
+
+
 class ShardShiftProcessGroup(dist.ProcessGroup):
     """See the module docstring. Built by torch through `register()`; not meant to be built by hand."""
 
@@ -122,11 +165,17 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
             topology = topology_from_spec(spec, size)
         self.topology = topology
         self._trees = {"cpu": TreeCollectives(self._tree_pg, topology, self._options.run)}
+        self._chooser = Chooser(self._tree_pg, self._options.trials) if self._options.algorithm == "auto" else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._serve, name=f"shardshift-pg-r{rank}", daemon=True)
         self._worker.start()
 
     # ---- identity -----------------------------------------------------------------------------
+
+    @property
+    def choices(self) -> dict[tuple, str]:
+        """Under `algorithm="auto"`: (op, dtype, size class) -> "trees" or "gloo", as decided so far."""
+        return dict(self._chooser.choices) if self._chooser else {}
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -140,7 +189,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1 or tensors[0].is_sparse:
             return self._delegate.broadcast(tensors, opts)
         t, root = tensors[0], opts.rootRank
-        return self._submit(t, tensors, lambda trees: trees.broadcast(t, root),
+        return self._submit(f"broadcast/{root}", t, tensors, lambda trees: trees.broadcast(t, root),
                             lambda: self._delegate.broadcast(tensors, opts))  # fmt: skip
 
     def allreduce(self, tensors, opts):
@@ -148,7 +197,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         if red is None:
             return self._delegate.allreduce(tensors, opts)
         t = tensors[0]
-        return self._submit(t, tensors, lambda trees: trees.all_reduce(t, red),
+        return self._submit("all_reduce", t, tensors, lambda trees: trees.all_reduce(t, red),
                             lambda: self._delegate.allreduce(tensors, opts))  # fmt: skip
 
     def allreduce_coalesced(self, tensors, opts):
@@ -164,14 +213,15 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
                 t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
 
-        return self._submit(tensors[0], tensors, run, lambda: self._delegate.allreduce_coalesced(tensors, opts))
+        return self._submit("all_reduce", tensors[0], tensors, run,
+                            lambda: self._delegate.allreduce_coalesced(tensors, opts))
 
     def reduce(self, tensors, opts):
         red = self._reduction(opts.reduceOp, tensors)
         if red is None:
             return self._delegate.reduce(tensors, opts)
         t, root = tensors[0], opts.rootRank
-        return self._submit(t, tensors, lambda trees: trees.reduce(t, root, red),
+        return self._submit(f"reduce/{root}", t, tensors, lambda trees: trees.reduce(t, root, red),
                             lambda: self._delegate.reduce(tensors, opts))  # fmt: skip
 
     def allgather(self, output_tensors, input_tensors, opts):
@@ -187,13 +237,13 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view(o.shape))
 
-        return self._submit(inp, output_tensors, run,
+        return self._submit("all_gather", inp, output_tensors, run,
                             lambda: self._delegate.allgather(output_tensors, input_tensors, opts))  # fmt: skip
 
     def all_gather_single(self, output, input, opts):
         if input.is_sparse or output.numel() != self.size() * input.numel() or output.dtype != input.dtype:
             return self._delegate._allgather_base(output, input, opts)
-        return self._submit(input, [output], lambda trees: trees.all_gather(output, input),
+        return self._submit("all_gather", input, [output], lambda trees: trees.all_gather(output, input),
                             lambda: self._delegate._allgather_base(output, input, opts))  # fmt: skip
 
     _allgather_base = all_gather_single
@@ -205,7 +255,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         out, ins = output_tensors[0], input_tensors[0]
         if len(ins) != self.size() or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
             return self._delegate.reduce_scatter(output_tensors, input_tensors, opts)
-        return self._submit(out, output_tensors,
+        return self._submit("reduce_scatter", out, output_tensors,
                             lambda trees: trees.reduce_scatter(out, torch.cat([i.reshape(-1) for i in ins]), red),
                             lambda: self._delegate.reduce_scatter(output_tensors, input_tensors, opts))  # fmt: skip
 
@@ -213,7 +263,8 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         red = self._reduction(opts.reduceOp, [output])
         if red is None or input.numel() != self.size() * output.numel() or input.dtype != output.dtype:
             return self._delegate._reduce_scatter_base(output, input, opts)
-        return self._submit(output, [output], lambda trees: trees.reduce_scatter(output, input, red),
+        return self._submit("reduce_scatter", output, [output],
+                            lambda trees: trees.reduce_scatter(output, input, red),
                             lambda: self._delegate._reduce_scatter_base(output, input, opts))  # fmt: skip
 
     _reduce_scatter_base = reduce_scatter_single
@@ -230,8 +281,8 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
 
         if not inputs or any(i.is_sparse or o.numel() != self.size() * i.numel() or o.dtype != i.dtype
                              for o, i in zip(outputs, inputs)):  # fmt: skip
-            return self._submit(torch.zeros(0), outputs, None, delegated)
-        return self._submit(inputs[0], outputs, run, delegated)
+            return self._submit("all_gather", torch.zeros(0), outputs, None, delegated)
+        return self._submit("all_gather", inputs[0], outputs, run, delegated)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -249,14 +300,14 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
 
         if red is None or any(i.numel() != self.size() * o.numel() or o.dtype != i.dtype
                               for o, i in zip(outputs, inputs)):  # fmt: skip
-            return self._submit(torch.zeros(0), outputs, None, delegated)
-        return self._submit(outputs[0], outputs, run, delegated)
+            return self._submit("reduce_scatter", torch.zeros(0), outputs, None, delegated)
+        return self._submit("reduce_scatter", outputs[0], outputs, run, delegated)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
         marker = torch.zeros(1)
-        return self._submit(marker, [], lambda trees: trees.barrier(), None)
+        return self._submit("barrier", marker, [], lambda trees: trees.barrier(), None)
 
     # ---- delegated, but defined here on purpose ------------------------------------------------
     # torch's C++ trampoline for Python process groups keeps the GIL while it runs the base
@@ -306,7 +357,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         except UnsupportedReduction:
             return None
 
-    def _submit(self, tensor: torch.Tensor, result, run, small) -> dist.Work:
+    def _submit(self, op: str, tensor: torch.Tensor, result, run, small) -> dist.Work:
         """Queue `run(trees)` on the worker thread, or `small()` (gloo's own algorithm: a Work, or
         None when it waits by itself) when `run` is None or the tensor is below small_bytes."""
         device = tensor.device.type
@@ -320,6 +371,9 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         else:
             trees = self._trees[device]
             job = lambda: run(trees)  # noqa: E731
+            if self._chooser is not None and small is not None:
+                key = (op, str(tensor.dtype), max(nbytes, 1).bit_length() - 1)
+                job = functools.partial(self._chooser.run, key, job, _waited(small))
         self._jobs.put((job, future, result))
         return _TreeWork(future)
 
