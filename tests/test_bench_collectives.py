@@ -29,8 +29,10 @@ def test_sizes_follow_nccl_tests_doubling():
     (["--op", "allreduce"], "give --nproc N"),
     (["--op", "allreduce", "--nproc", "3", "--emulate"], "--emulate needs a topology"),
     (["--op", "broadcast", "--preset", "dgx1v", "--gpus", "0,1,2", "--nproc", "4"], "topology has 3 ranks"),
-    (["--op", "allgather", "--nproc", "2", "--impls", "gloo,nccl"], "choose from gloo, ring, trees"),
+    (["--op", "allgather", "--nproc", "2", "--impls", "gloo,nccl"], "choose from gloo, ring, trees, auto"),
     (["--op", "allgather", "--nproc", "2", "--sizes", "0"], "at least 1 byte"),
+    (["--op", "allreduce", "--nproc", "2", "--keep", "1.5"], "give a fraction in (0, 1]"),
+    (["--op", "allreduce", "--nproc", "2", "--max-trees", "0"], "max_trees=0: give at least 1"),
 ])
 def test_bad_arguments_are_refused_before_any_process_starts(argv, message, capsys):
     assert main(["bench", "collectives", *argv]) == 2
@@ -45,7 +47,8 @@ def test_small_run_reports_every_impl_without_wrong_elements():
         capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
-    assert [r["impl"] for r in rows] == ["gloo", "ring", "trees"]
+    assert [r["impl"] for r in rows] == ["gloo", "ring", "trees", "auto"]
+    assert rows[-1]["picked"] in ("trees", "gloo")  # auto's pick after its trial calls
     for r in rows:
         assert r["wrong"] == 0 and r["op"] == "reducescatter" and r["count"] == 96 * 1024 // 4
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)

@@ -69,6 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--chunk-seconds", type=float, default=0.004,
                    help="aimed time of one pipeline chunk at the packing's rate")
     p.add_argument("--window", type=int, default=4, help="messages posted ahead per peer")
+    p.add_argument("--keep", type=float, default=0.995,
+                   help="packing: cut trees while keeping >= this fraction of the solved rate")
+    p.add_argument("--max-trees", type=int, default=None, help="packing: at most this many trees")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
     p.set_defaults(func=run)
@@ -118,6 +121,7 @@ def _topology(args):
 def run(args: argparse.Namespace) -> int:
     from shardshift.collectives.bounds import collective_bound
     from shardshift.collectives.emulate_topology import auto_scale, emulation_rates, scaled
+    from shardshift.collectives.packing import PackOptions
     from shardshift.collectives.topology_spec import topology_to_dict
 
     try:
@@ -135,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             scale = auto_scale(topology) if args.emulate_scale == "auto" else float(args.emulate_scale)
         if args.iters < 1:
             raise ValueError("--iters must be >= 1")
+        PackOptions(keep=args.keep, max_trees=args.max_trees)  # says which value to change
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
@@ -148,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             "redop": args.redop, "iters": args.iters, "impls": impls, "mode": args.mode,
             "timeout": args.timeout, "min_chunk_bytes": args.min_chunk_bytes,
             "max_chunks": args.max_chunks, "window": args.window, "chunk_seconds": args.chunk_seconds,
+            "keep": args.keep, "max_trees": args.max_trees,
             "topology": topology_to_dict(topology) if topology is not None else None,
             "probe": args.probe,
             "out": os.path.join(tmp, "rows.json"),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from shardshift.collectives.emulate import init_process_group_from_env
 from shardshift.collectives.bounds import collective_bound
 from shardshift.collectives.ops import Collective
+from shardshift.collectives.packing import PackOptions
 from shardshift.collectives.presets import full
 from shardshift.collectives.probe import probe_topology
 from shardshift.collectives.reduction import Reduction
@@ -155,7 +156,9 @@ def main(config_path: str) -> None:
     options = RunOptions(mode=cfg["mode"], timeout_s=float(cfg["timeout"]),
                          min_chunk_bytes=int(cfg["min_chunk_bytes"]),
                          max_chunks_per_tree=int(cfg["max_chunks"]), window=int(cfg["window"]),
-                         chunk_seconds=float(cfg["chunk_seconds"]))  # fmt: skip
+                         chunk_seconds=float(cfg["chunk_seconds"]),
+                         pack_options=PackOptions(keep=float(cfg.get("keep", 0.995)),
+                                                  max_trees=cfg.get("max_trees")))  # fmt: skip
     impls = {}
     for name in cfg["impls"]:
         if name == "gloo":
