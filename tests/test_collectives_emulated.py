@@ -48,7 +48,8 @@ def test_bench_collectives_on_emulated_links(require_netns):
         capture_output=True, text=True, timeout=200, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
-    assert [r["impl"] for r in rows] == ["gloo", "ring", "trees"]
+    assert [r["impl"] for r in rows] == ["gloo", "ring", "trees", "auto"]
+    assert rows[-1]["picked"] in ("trees", "gloo")
     for r in rows:
         assert r["wrong"] == 0 and r["bytes"] == 2 << 20 and r["time_us"] > 0
         assert r["bound_algbw_gbps"] == pytest.approx(0.18333, rel=1e-3)  # hetero4, 1 Gbit/s max
