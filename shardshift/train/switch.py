@@ -191,7 +191,8 @@ class PreparedSwitch:
 
 
 def prepare_switch(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
-    """Plan a switch of `trainer` to `layout` and build its meshes and model structure.
+    """Plan a switch of `trainer` to `layout`; build its meshes, its model and AdamW tensors with no
+    storage behind them, and this rank's program of the schedule.
 
     A collective (the meshes' groups): every rank calls it with the same arguments. Raises
     ValueError, before anything is built, for a layout the model, batch or world cannot take.

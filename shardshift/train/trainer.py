@@ -77,7 +77,7 @@ class Trainer:
         return switch_trainer(self, target, budget)
 
     def prepare_switch(self, layout: Layout, budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
-        """Plan a switch and build the new layout's meshes and model structure, ahead of time."""
+        """Plan a switch and build the new layout's meshes and storage-less model, ahead of time."""
         return prepare_switch(self, layout, budget)
 
     def drop_runtime(self) -> None:
