@@ -85,6 +85,9 @@ def test_chunks_per_tree_bounds():
     assert chunks_per_tree(64 << 20, 4) == 64
     assert chunks_per_tree(4 << 20, 4, min_chunk_bytes=256 << 10) == 4
     assert chunks_per_tree(64 << 20, 4, seconds=0.1, chunk_seconds=0.004) == 25  # chunks of ~4 ms
+    # Many trees (all-reduce packings take 28 on hetero4): the total cap keeps messages in check.
+    assert chunks_per_tree(64 << 20, 28) == 256 // 28
+    assert chunks_per_tree(16 << 20, 28) == (16 << 20) // (28 * (128 << 10))  # the byte floor binds
     assert chunks_per_tree(64 << 20, 4, seconds=0.001) == 1
     with pytest.raises(ValueError, match="must be > 0"):
         chunks_per_tree(1, 0)

@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from shardshift.cli.topo import add_topology_arguments, topology_from_args
+from shardshift.collectives.exec_plan import CHUNK_SECONDS, MAX_CHUNKS_PER_TREE, MAX_CHUNKS_TOTAL, MIN_CHUNK_BYTES
 from shardshift.collectives.ops import Collective
 
 # auto: the shardshift backend with algorithm="auto" (picks trees or gloo per size by timing both).
@@ -64,9 +65,11 @@ def register(subparsers) -> None:
     p.add_argument("--iters", type=int, default=3, help="timed rounds per size (median reported)")
     p.add_argument("--impls", default=",".join(_IMPLS), help="comma list of gloo, ring, trees, auto")
     p.add_argument("--mode", default=None, choices=["dataflow", "stepped"], help="tree executor mode")
-    p.add_argument("--min-chunk-bytes", type=int, default=256 * 1024, help="pipeline chunk floor")
-    p.add_argument("--max-chunks", type=int, default=64, help="pipeline chunks per tree, at most")
-    p.add_argument("--chunk-seconds", type=float, default=0.004,
+    p.add_argument("--min-chunk-bytes", type=int, default=MIN_CHUNK_BYTES, help="pipeline chunk floor")
+    p.add_argument("--max-chunks", type=int, default=MAX_CHUNKS_PER_TREE, help="pipeline chunks per tree, at most")
+    p.add_argument("--max-total-chunks", type=int, default=MAX_CHUNKS_TOTAL,
+                   help="pipeline chunks over all trees together, at most")
+    p.add_argument("--chunk-seconds", type=float, default=CHUNK_SECONDS,
                    help="aimed time of one pipeline chunk at the packing's rate")
     p.add_argument("--window", type=int, default=4, help="messages posted ahead per peer")
     p.add_argument("--keep", type=float, default=0.995,
@@ -152,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             "op": op.value, "sizes": sizes, "root": args.root, "dtype": args.dtype,
             "redop": args.redop, "iters": args.iters, "impls": impls, "mode": args.mode,
             "timeout": args.timeout, "min_chunk_bytes": args.min_chunk_bytes,
-            "max_chunks": args.max_chunks, "window": args.window, "chunk_seconds": args.chunk_seconds,
+            "max_chunks": args.max_chunks, "max_total_chunks": args.max_total_chunks, "window": args.window, "chunk_seconds": args.chunk_seconds,
             "keep": args.keep, "max_trees": args.max_trees,
             "topology": topology_to_dict(topology) if topology is not None else None,
             "probe": args.probe,

@@ -155,7 +155,8 @@ def main(config_path: str) -> None:
         topology = probed = probe_topology(world)  # the same on every rank (all-gathered rates)
     options = RunOptions(mode=cfg["mode"], timeout_s=float(cfg["timeout"]),
                          min_chunk_bytes=int(cfg["min_chunk_bytes"]),
-                         max_chunks_per_tree=int(cfg["max_chunks"]), window=int(cfg["window"]),
+                         max_chunks_per_tree=int(cfg["max_chunks"]),
+                         max_chunks_total=int(cfg["max_total_chunks"]), window=int(cfg["window"]),
                          chunk_seconds=float(cfg["chunk_seconds"]),
                          pack_options=PackOptions(keep=float(cfg.get("keep", 0.995)),
                                                   max_trees=cfg.get("max_trees")))  # fmt: skip

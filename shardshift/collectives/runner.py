@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 
 from shardshift.collectives.exec_plan import (
-    CHUNK_SECONDS, MAX_CHUNKS_PER_TREE, MIN_CHUNK_BYTES, ExecutionPlan, chunks_per_tree, compile_plan,
+    CHUNK_SECONDS, MAX_CHUNKS_PER_TREE, MAX_CHUNKS_TOTAL, MIN_CHUNK_BYTES, ExecutionPlan, chunks_per_tree,
+    compile_plan,
 )
 from shardshift.collectives.executor import ExecMode, execute
 from shardshift.collectives.ops import Collective
@@ -62,7 +63,8 @@ class RunOptions:
     timeout_s: float = 300.0  # bound on one collective, every wait included
     window: int = 4  # DATAFLOW: messages posted ahead per peer and direction
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # pipeline chunks are at least this large...
-    max_chunks_per_tree: int = MAX_CHUNKS_PER_TREE  # ...and at most this many per tree
+    max_chunks_per_tree: int = MAX_CHUNKS_PER_TREE  # ...and at most this many per tree...
+    max_chunks_total: int = MAX_CHUNKS_TOTAL  # ...and over all trees together
     chunk_seconds: float = CHUNK_SECONDS  # aimed time of one pipeline chunk at the packing's rate
     pack_options: PackOptions = field(default_factory=PackOptions)
     verify_plans: bool = True  # compare a digest of every new plan across ranks
@@ -72,8 +74,8 @@ class RunOptions:
             object.__setattr__(self, "mode", ExecMode(self.mode))
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s}: give seconds > 0")
-        if self.window < 1 or self.min_chunk_bytes < 1 or self.max_chunks_per_tree < 1:
-            raise ValueError("window, min_chunk_bytes and max_chunks_per_tree must be >= 1")
+        if min(self.window, self.min_chunk_bytes, self.max_chunks_per_tree, self.max_chunks_total) < 1:
+            raise ValueError("window, min_chunk_bytes, max_chunks_per_tree and max_chunks_total must be >= 1")
         if not self.chunk_seconds > 0:
             raise ValueError(f"chunk_seconds={self.chunk_seconds}: give seconds > 0")
 
@@ -122,7 +124,8 @@ class TreeCollectives:
             k = chunks_per_tree(nbytes, len(packing.pieces()), seconds=nbytes / packing.rate,
                                 chunk_seconds=self.options.chunk_seconds,
                                 min_chunk_bytes=self.options.min_chunk_bytes,
-                                max_chunks=self.options.max_chunks_per_tree)  # fmt: skip
+                                max_chunks=self.options.max_chunks_per_tree,
+                                max_total=self.options.max_chunks_total)  # fmt: skip
             plan = compile_plan(make_schedule(packing, k), count, self.rank, len(packing.trees))
             if self.options.verify_plans:
                 self._verify(plan, device or torch.device("cpu"))
