@@ -77,7 +77,7 @@ class Copy:
 class Step:
     """One round, as one process runs it."""
 
-    opens: tuple[tuple[int, int], ...]  # (tensor, bytes): new pieces allocated first
+    opens: tuple[tuple[int, int, tuple[int, ...]], ...]  # (tensor, bytes, shape): new pieces, first
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
     copies: tuple[Copy, ...]
@@ -104,7 +104,8 @@ def compile_program(schedule: Schedule, rank: int) -> Program:
     for index in range(len(schedule.rounds)):
         sends, recvs, local = schedule.messages(index, rank)
         steps.append(Step(
-            opens=tuple((t, plan.piece_bytes(plan.new_boxes, rank, t)) for t in opens.get(index, ())),
+            opens=tuple((t, plan.piece_bytes(plan.new_boxes, rank, t), plan.new_boxes[rank][t].sizes)
+                        for t in opens.get(index, ())),
             sends=tuple(_transfer(plan, m, m.dst, plan.old_boxes[rank]) for m in sends),
             recvs=tuple(_transfer(plan, m, m.src, plan.new_boxes[rank]) for m in recvs),
             copies=tuple(
@@ -167,8 +168,9 @@ def execute(program: Program, source: Source, sink: Sink, device: torch.device) 
     new_local: dict[int, torch.Tensor] = {}
     sent = received = copied = 0
     for index, step in enumerate(program.steps):
-        for tensor, nbytes in step.opens:
+        for tensor, nbytes, shape in step.opens:
             new_local[tensor] = sink.open(tensor)
+            assert tuple(new_local[tensor].shape) == shape, (tensor, tuple(new_local[tensor].shape), shape)
             account.add(nbytes)
         outbox = [_outgoing(m, source, device) for m in step.sends]
         inbox = [_incoming(m, new_local, device) for m in step.recvs]

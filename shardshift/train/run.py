@@ -73,7 +73,7 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
                 flush=True,
             )
         pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
-        # The next switch is prepared (planned, its meshes and model structure built) ahead of
+        # The next switch is prepared (planned, its meshes and storage-less model built) ahead of
         # time, so that at its step only the state moves.
         prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
         try:
