@@ -233,7 +233,7 @@ def _chooser_cases(rank: int) -> list:
     durations = [1.0, 2.0, 1.0, 2.0] if rank == 0 else [5.0, 3.0, 6.0, 3.0]
     chooser = Chooser(dist.group.WORLD, trials=2, clock=_ScriptedClock(durations))
     for _ in range(6):
-        chooser.run(("all_reduce", "float32", 10), trees, gloo)
+        chooser.run(("allreduce", "float32", 10), trees, gloo)
     return [ran, dict(chooser.choices)]
 
 
@@ -299,9 +299,9 @@ def test_backend_ops_ddp_and_fsdp_match_gloo():
         assert report["fsdp"] < 1e-10, report["fsdp"]
         auto = report["auto"]
         assert all(auto["checks"]) and len(auto["checks"]) == 12, (rank, auto["checks"])
-        assert [key for key, _ in auto["choices"]] == [("all_reduce", "torch.float64", 12),
+        assert [key for key, _ in auto["choices"]] == [("allreduce", "torch.float64", 12),
                                                        ("broadcast/1", "torch.float32", 10)]
         assert auto["choices"] == reports[0]["auto"]["choices"]  # every rank picked alike
         ran, choices = report["chooser"]
         assert ran == ["trees", "gloo", "trees", "gloo", "gloo", "gloo"], (rank, ran)
-        assert choices == {("all_reduce", "float32", 10): "gloo"}
+        assert choices == {("allreduce", "float32", 10): "gloo"}

@@ -128,18 +128,12 @@ class Case:
 AUTO_TRIALS = 2
 
 
-def _picked(group, op: Collective, case: Case) -> str | None:
+def _picked(group, case: Case) -> str | None:
     """What the auto group picked for this case's calls ("trees" or "gloo")."""
-    picks = {key[0].split("/")[0]: choice for key, choice in group.choices.items()
-             if key[1] == str(case.dtype) and key[2] == _size_class(case)}  # fmt: skip
-    name = {Collective.BROADCAST: "broadcast", Collective.REDUCE: "reduce", Collective.ALLREDUCE: "all_reduce",
-            Collective.ALLGATHER: "all_gather", Collective.REDUCESCATTER: "reduce_scatter"}[op]  # fmt: skip
-    return picks.get(name)
+    from shardshift.collectives.backend import call_class
 
-
-def _size_class(case: Case) -> int:
-    tensor = case.input if case.op is Collective.ALLGATHER else case.output
-    return max(tensor.numel() * tensor.element_size(), 1).bit_length() - 1
+    tensor = case.input if case.op is Collective.ALLGATHER else case.output  # what the backend keys on
+    return group.choices.get(call_class(case.op, tensor, case.root))
 
 
 def main(config_path: str) -> None:
@@ -201,7 +195,7 @@ def main(config_path: str) -> None:
         for i, name in enumerate(names):
             impl = impls[name]
             packing = impl.packing(op, root) if isinstance(impl, TreeCollectives) else None
-            picked = _picked(impl, op, case) if name == "auto" else None
+            picked = _picked(impl, case) if name == "auto" else None
             rows.append({
                 "impl": name, "bytes": case.count * case.output.element_size(), "count": case.count,
                 "seconds": statistics.median(times[i].tolist()), "all_seconds": times[i].tolist(),

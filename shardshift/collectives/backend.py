@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
+from shardshift.collectives.ops import Collective
 from shardshift.collectives.reduction import Reduction, UnsupportedReduction
 from shardshift.collectives.runner import RunOptions, TreeCollectives
 from shardshift.collectives.topology import Topology
@@ -107,6 +108,13 @@ class _TreeWork(dist.Work):
     def result(self) -> list[torch.Tensor]:
         self.wait()
         return self._future.value()
+
+
+def call_class(op: Collective, tensor: torch.Tensor, root: int = 0) -> tuple[str, str, int]:
+    """What `algorithm="auto"` decides once for: the op (with its root), the dtype, and the bytes
+    rounded down to a power of two."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return (f"{op.value}/{root}" if op.rooted else op.value, str(tensor.dtype), max(nbytes, 1).bit_length() - 1)
 
 
 class Chooser:
@@ -189,15 +197,15 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1 or tensors[0].is_sparse:
             return self._delegate.broadcast(tensors, opts)
         t, root = tensors[0], opts.rootRank
-        return self._submit(f"broadcast/{root}", t, tensors, lambda trees: trees.broadcast(t, root),
-                            lambda: self._delegate.broadcast(tensors, opts))  # fmt: skip
+        return self._submit(Collective.BROADCAST, t, tensors, lambda trees: trees.broadcast(t, root),
+                            lambda: self._delegate.broadcast(tensors, opts), root=root)  # fmt: skip
 
     def allreduce(self, tensors, opts):
         red = self._reduction(opts.reduceOp, tensors)
         if red is None:
             return self._delegate.allreduce(tensors, opts)
         t = tensors[0]
-        return self._submit("all_reduce", t, tensors, lambda trees: trees.all_reduce(t, red),
+        return self._submit(Collective.ALLREDUCE, t, tensors, lambda trees: trees.all_reduce(t, red),
                             lambda: self._delegate.allreduce(tensors, opts))  # fmt: skip
 
     def allreduce_coalesced(self, tensors, opts):
@@ -213,7 +221,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
                 t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
 
-        return self._submit("all_reduce", tensors[0], tensors, run,
+        return self._submit(Collective.ALLREDUCE, tensors[0], tensors, run,
                             lambda: self._delegate.allreduce_coalesced(tensors, opts))
 
     def reduce(self, tensors, opts):
@@ -221,8 +229,8 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         if red is None:
             return self._delegate.reduce(tensors, opts)
         t, root = tensors[0], opts.rootRank
-        return self._submit(f"reduce/{root}", t, tensors, lambda trees: trees.reduce(t, root, red),
-                            lambda: self._delegate.reduce(tensors, opts))  # fmt: skip
+        return self._submit(Collective.REDUCE, t, tensors, lambda trees: trees.reduce(t, root, red),
+                            lambda: self._delegate.reduce(tensors, opts), root=root)  # fmt: skip
 
     def allgather(self, output_tensors, input_tensors, opts):
         if len(input_tensors) != 1 or len(output_tensors) != 1 or input_tensors[0].is_sparse:
@@ -237,13 +245,13 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view(o.shape))
 
-        return self._submit("all_gather", inp, output_tensors, run,
+        return self._submit(Collective.ALLGATHER, inp, output_tensors, run,
                             lambda: self._delegate.allgather(output_tensors, input_tensors, opts))  # fmt: skip
 
     def all_gather_single(self, output, input, opts):
         if input.is_sparse or output.numel() != self.size() * input.numel() or output.dtype != input.dtype:
             return self._delegate._allgather_base(output, input, opts)
-        return self._submit("all_gather", input, [output], lambda trees: trees.all_gather(output, input),
+        return self._submit(Collective.ALLGATHER, input, [output], lambda trees: trees.all_gather(output, input),
                             lambda: self._delegate._allgather_base(output, input, opts))  # fmt: skip
 
     _allgather_base = all_gather_single
@@ -255,7 +263,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         out, ins = output_tensors[0], input_tensors[0]
         if len(ins) != self.size() or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
             return self._delegate.reduce_scatter(output_tensors, input_tensors, opts)
-        return self._submit("reduce_scatter", out, output_tensors,
+        return self._submit(Collective.REDUCESCATTER, out, output_tensors,
                             lambda trees: trees.reduce_scatter(out, torch.cat([i.reshape(-1) for i in ins]), red),
                             lambda: self._delegate.reduce_scatter(output_tensors, input_tensors, opts))  # fmt: skip
 
@@ -263,7 +271,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         red = self._reduction(opts.reduceOp, [output])
         if red is None or input.numel() != self.size() * output.numel() or input.dtype != output.dtype:
             return self._delegate._reduce_scatter_base(output, input, opts)
-        return self._submit("reduce_scatter", output, [output],
+        return self._submit(Collective.REDUCESCATTER, output, [output],
                             lambda trees: trees.reduce_scatter(output, input, red),
                             lambda: self._delegate._reduce_scatter_base(output, input, opts))  # fmt: skip
 
@@ -281,8 +289,8 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
 
         if not inputs or any(i.is_sparse or o.numel() != self.size() * i.numel() or o.dtype != i.dtype
                              for o, i in zip(outputs, inputs)):  # fmt: skip
-            return self._submit("all_gather", torch.zeros(0), outputs, None, delegated)
-        return self._submit("all_gather", inputs[0], outputs, run, delegated)
+            return self._submit(Collective.ALLGATHER, torch.zeros(0), outputs, None, delegated)
+        return self._submit(Collective.ALLGATHER, inputs[0], outputs, run, delegated)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -300,14 +308,14 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
 
         if red is None or any(i.numel() != self.size() * o.numel() or o.dtype != i.dtype
                               for o, i in zip(outputs, inputs)):  # fmt: skip
-            return self._submit("reduce_scatter", torch.zeros(0), outputs, None, delegated)
-        return self._submit("reduce_scatter", outputs[0], outputs, run, delegated)
+            return self._submit(Collective.REDUCESCATTER, torch.zeros(0), outputs, None, delegated)
+        return self._submit(Collective.REDUCESCATTER, outputs[0], outputs, run, delegated)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
         marker = torch.zeros(1)
-        return self._submit("barrier", marker, [], lambda trees: trees.barrier(), None)
+        return self._submit(None, marker, [], lambda trees: trees.barrier(), None)
 
     # ---- delegated, but defined here on purpose ------------------------------------------------
     # torch's C++ trampoline for Python process groups keeps the GIL while it runs the base
@@ -357,7 +365,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         except UnsupportedReduction:
             return None
 
-    def _submit(self, op: str, tensor: torch.Tensor, result, run, small) -> dist.Work:
+    def _submit(self, op: Collective | None, tensor: torch.Tensor, result, run, small, root: int = 0) -> dist.Work:
         """Queue `run(trees)` on the worker thread, or `small()` (gloo's own algorithm: a Work, or
         None when it waits by itself) when `run` is None or the tensor is below small_bytes."""
         device = tensor.device.type
@@ -372,8 +380,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
             trees = self._trees[device]
             job = lambda: run(trees)  # noqa: E731
             if self._chooser is not None and small is not None:
-                key = (op, str(tensor.dtype), max(nbytes, 1).bit_length() - 1)
-                job = functools.partial(self._chooser.run, key, job, _waited(small))
+                job = functools.partial(self._chooser.run, call_class(op, tensor, root), job, _waited(small))
         self._jobs.put((job, future, result))
         return _TreeWork(future)
 
