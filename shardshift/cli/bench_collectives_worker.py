@@ -189,6 +189,7 @@ def main(config_path: str) -> None:
                 start = time.perf_counter()
                 case.run(impls[names[i]])
                 times[i, rep] = time.perf_counter() - start
+                dist.barrier()  # a rank that finished early must not check while others still run
                 wrong[i] += case.wrong()
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
         dist.all_reduce(wrong)
