@@ -75,6 +75,8 @@ def register(subparsers) -> None:
     p.add_argument("--keep", type=float, default=0.995,
                    help="packing: cut trees while keeping >= this fraction of the solved rate")
     p.add_argument("--max-trees", type=int, default=None, help="packing: at most this many trees")
+    p.add_argument("--depth", choices=["auto", "any", "shallow"], default="auto",
+                   help="packing: tree depth (auto, any, shallow; see `shardshift topo pack`)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
     p.set_defaults(func=run)
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             scale = auto_scale(topology) if args.emulate_scale == "auto" else float(args.emulate_scale)
         if args.iters < 1:
             raise ValueError("--iters must be >= 1")
-        PackOptions(keep=args.keep, max_trees=args.max_trees)  # says which value to change
+        PackOptions(keep=args.keep, max_trees=args.max_trees, depth=args.depth)  # says which value to change
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             "redop": args.redop, "iters": args.iters, "impls": impls, "mode": args.mode,
             "timeout": args.timeout, "min_chunk_bytes": args.min_chunk_bytes,
             "max_chunks": args.max_chunks, "max_total_chunks": args.max_total_chunks, "window": args.window, "chunk_seconds": args.chunk_seconds,
-            "keep": args.keep, "max_trees": args.max_trees,
+            "keep": args.keep, "max_trees": args.max_trees, "depth": args.depth,
             "topology": topology_to_dict(topology) if topology is not None else None,
             "probe": args.probe,
             "out": os.path.join(tmp, "rows.json"),

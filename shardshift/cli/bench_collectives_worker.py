@@ -153,7 +153,8 @@ def main(config_path: str) -> None:
                          max_chunks_total=int(cfg["max_total_chunks"]), window=int(cfg["window"]),
                          chunk_seconds=float(cfg["chunk_seconds"]),
                          pack_options=PackOptions(keep=float(cfg.get("keep", 0.995)),
-                                                  max_trees=cfg.get("max_trees")))  # fmt: skip
+                                                  max_trees=cfg.get("max_trees"),
+                                                  depth=cfg.get("depth", "auto")))  # fmt: skip
     impls = {}
     for name in cfg["impls"]:
         if name == "gloo":

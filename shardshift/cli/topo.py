@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     pack.add_argument("--keep", type=float, default=0.995,
                       help="cut trees while keeping >= this fraction of the solved rate (1: no cut)")
     pack.add_argument("--max-trees", type=int, default=None, help="at most this many trees")
+    pack.add_argument("--depth", choices=["auto", "any", "shallow"], default="auto",
+                      help="tree depth: auto (the shallowest packing within --keep of the best, "
+                           "depth <= 2 tried up to 8 ranks), any, or shallow (depth <= 2 only)")
     pack.add_argument("--json", action="store_true", help="print one JSON object")
     pack.set_defaults(func=run_pack)
     show = sub.add_parser("show", help="print a topology's links and point-to-point pair rates")
@@ -97,6 +100,7 @@ def packing_summary(packing, link_unit: float | None) -> dict:
         "bound_gbps": packing.bound / gb if finite else None,
         "rate_over_bound": packing.rate / packing.bound if finite else None,
         "num_trees": len(packing.trees),
+        "depth": packing.depth,
         "solve_seconds": packing.solve_seconds,
         "candidates_gbps": {name: rate / gb for name, rate in packing.candidates},
     }
@@ -119,7 +123,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
     try:
         topology = topology_from_args(args)
-        options = PackOptions(method=Method(args.method), keep=args.keep, max_trees=args.max_trees)
+        options = PackOptions(method=Method(args.method), keep=args.keep, max_trees=args.max_trees,
+                              depth=args.depth)
         packing = pack(topology, args.op, root=args.root, options=options)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)

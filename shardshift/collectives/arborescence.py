@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+SHALLOW_MAX_RANKS = 8  # 2^(n-1) sets per oracle call; the DGX-1 has 8 GPUs
 _SMALL = 24  # up to this many nodes the list version is faster (measured: ~4x at n = 8)
 
 
@@ -185,3 +186,42 @@ def _edmonds_lists(w: list[list[float]], root: int) -> list[int]:
             result[v] = u
     result[root] = -1
     return result
+
+
+def shallow_out_tree(cost: np.ndarray, root: int) -> np.ndarray | None:
+    """Cheapest arborescence from `root` of depth at most 2, or None when there is none.
+
+    Exact, by enumerating the set S of the root's children: every other node then hangs from its
+    cheapest parent in S. 2^(n-1) sets, so only for small n (see `SHALLOW_MAX_RANKS`).
+    Same conventions as `min_out_tree`.
+    """
+    w = np.array(cost, dtype=float)
+    n = w.shape[0]
+    if n > SHALLOW_MAX_RANKS:
+        raise ValueError(f"shallow trees are enumerated up to {SHALLOW_MAX_RANKS} ranks, got {n}")
+    if n == 1:
+        return np.array([-1])
+    np.fill_diagonal(w, np.inf)
+    others = np.array([v for v in range(n) if v != root])
+    m = len(others)
+    sets = (np.arange(1, 2**m)[:, None] >> np.arange(m)[None, :]) & 1 == 1  # (K, m) S membership
+    first = w[root, others]  # (m,) root → child
+    inner = w[np.ix_(others, others)]  # (m, m) child → grandchild
+    via = np.where(sets[:, :, None], inner[None, :, :], np.inf)  # (K, s, v)
+    best_parent = via.argmin(axis=1)  # (K, m) cheapest s in S for every v
+    hang = np.take_along_axis(via, best_parent[:, None, :], axis=1)[:, 0, :]  # (K, m)
+    with np.errstate(invalid="ignore"):
+        total = np.where(sets, first[None, :], hang).sum(axis=1)
+    k = int(np.argmin(total))
+    if not np.isfinite(total[k]):
+        return None
+    parent = np.full(n, -1)
+    for j, v in enumerate(others):
+        parent[v] = root if sets[k, j] else others[best_parent[k, j]]
+    return parent
+
+
+def shallow_in_tree(cost: np.ndarray, root: int) -> np.ndarray | None:
+    """Cheapest in-arborescence towards `root` of depth at most 2 (see `shallow_out_tree`)."""
+    return shallow_out_tree(np.asarray(cost).T, root)
+

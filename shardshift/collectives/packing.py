@@ -21,6 +21,14 @@ What the trees mean, per op (a tree's `weight` is the rate, bytes/s, of the data
                    rs+ag      reduce-scatter forests then all-gather forests (each root 1/n),
                               combined into pairs that run concurrently at the two-phase rate.
 
+Depth. A pipelined tree loses about (depth - 1) chunk times to filling and draining, and the
+LP's optimum is usually degenerate: on hetero4 it reached the all-reduce bound with Hamiltonian
+chains (an IN and an OUT tree of depth 3 each, 6 hops per piece) where trees of depth <= 2 (4 hops)
+reach it too. So for up to `SHALLOW_MAX_RANKS` ranks `pack` also solves every construction over
+trees of depth <= 2 only (an exact oracle, arborescence.shallow_out_tree) and, among the
+constructions within `keep` of the best rate, keeps the one whose pieces are shallowest
+(`Packing.depth`), then the fastest. `PackOptions.depth` forces either kind.
+
 Methods: `Method.LP` is exact (column generation, see packing_lp.py); `Method.MWU` is the
 multiplicative-weights approximation for large topologies (packing_mwu.py). Both end with a pass
 that keeps the fewest trees whose re-solved LP is >= `keep` × the value found (default 0.995), or
@@ -34,19 +42,22 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from shardshift.collectives.arborescence import SHALLOW_MAX_RANKS, shallow_in_tree, shallow_out_tree
 from shardshift.collectives.bounds import allgather_bound, collective_bound, reducescatter_bound
 from shardshift.collectives.ops import Collective, Direction
 from shardshift.collectives.packing_lp import column_generation, prune
 from shardshift.collectives.packing_mwu import multiplicative_weights
 from shardshift.collectives.packing_problem import Bundle, Family, LPResult, PackingProblem
-from shardshift.collectives.routing import check_reachable
+from shardshift.collectives.routing import RoutePricer, check_reachable
 from shardshift.collectives.topology import Topology
 from shardshift.collectives.tree import Packing, Tree, combine_pairs
 
-__all__ = ["Method", "PackOptions", "Packing", "Tree", "pack"]
+__all__ = ["Depth", "Method", "PackOptions", "Packing", "Tree", "pack"]
 
 
 class Method(Enum):
@@ -54,6 +65,14 @@ class Method(Enum):
 
     LP = "lp"  # column generation, exact
     MWU = "mwu"  # multiplicative weights, approximate, for large topologies
+
+
+class Depth(Enum):
+    """Which trees `pack` may use (see module docstring, Depth)."""
+
+    AUTO = "auto"  # solve both kinds (shallow up to SHALLOW_MAX_RANKS ranks), keep the shallowest within `keep`
+    ANY = "any"  # any depth: the plain LP
+    SHALLOW = "shallow"  # depth <= 2 only; a topology without such trees is refused
 
 
 @dataclass(frozen=True)
@@ -65,9 +84,11 @@ class PackOptions:
     max_trees: int | None = None  # at most this many trees, even below `keep`
     tol: float = 1e-6  # column generation stops within this relative gap of optimal
     max_seconds: float = 60.0  # per LP / MWU solve
+    depth: Depth = Depth.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
+        object.__setattr__(self, "depth", Depth(self.depth))
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep={self.keep}: give a fraction in (0, 1], e.g. 0.99")
         if self.max_trees is not None and self.max_trees < 1:
@@ -94,41 +115,26 @@ def pack(
         check_reachable(topology, [root], Direction.OUT if op is Collective.BROADCAST else Direction.IN)
     else:
         check_reachable(topology, range(n), Direction.OUT)  # every rank must reach every other
-    if op is Collective.ALLREDUCE:  # targets of the two forests of the rs+ag construction
-        forest_bounds = (reducescatter_bound(topology), allgather_bound(topology))
+    if options.depth is Depth.SHALLOW and n > SHALLOW_MAX_RANKS:
+        raise ValueError(f"depth='shallow' is solved for up to {SHALLOW_MAX_RANKS} ranks, not {n}; "
+                         "use depth='any' or 'auto'")  # fmt: skip
     # solve_seconds counts the packing only: the bounds are computed independently, above.
     start = time.perf_counter()
+    kinds = {Depth.ANY: [False], Depth.SHALLOW: [True],
+             Depth.AUTO: [False, True] if n <= SHALLOW_MAX_RANKS else [False]}[options.depth]  # fmt: skip
     candidates: list[tuple[str, float, tuple[Tree, ...]]] = []
-    if op is Collective.BROADCAST or op is Collective.REDUCE:
-        direction = Direction.OUT if op is Collective.BROADCAST else Direction.IN
-        result = _solve(topology, [Family(root, (direction,))], False, options, bound)
-        trees = _trees(topology, result)
-        candidates.append((op.value, sum(t.weight for t in trees), trees))
-    elif op.sharded:
-        direction = Direction.OUT if op is Collective.ALLGATHER else Direction.IN
-        families = [Family(r, (direction,)) for r in range(n)]
-        result = _solve(topology, families, True, options, bound / n)
-        trees = _trees(topology, result)
-        candidates.append((op.value, n * min(_per_root(trees, n)), trees))
-    else:
-        both = [Family(r, (Direction.IN, Direction.OUT)) for r in range(n)]
-        ins = [Family(r, (Direction.IN,)) for r in range(n)]
-        outs = [Family(r, (Direction.OUT,)) for r in range(n)]
-        # The forests are pruned by `keep` only: combined they take >= 2n trees, and the
-        # construction is left out when that exceeds max_trees.
-        halves = replace(options, max_trees=None)
-        rs = _solve(topology, ins, True, halves, forest_bounds[0] / n)
-        ag = _solve(topology, outs, True, halves, forest_bounds[1] / n)
-        # Every (reduce-scatter tree, all-gather tree) pair at a root is a column of the joint LP,
-        # and the rs+ag solution is a mix of them: starting there, the joint LP is never worse.
-        seeds = [((a[0], b[0]), fa) for a, fa in zip(rs.bundles, rs.families)
-                 for b, fb in zip(ag.bundles, ag.families) if fa == fb]  # fmt: skip
-        trees = _trees(topology, _solve(topology, both, False, options, bound, seeds))
-        candidates.append(("multiroot", sum(t.weight for t in trees) / 2, trees))
-        pairs = combine_pairs(_trees(topology, rs), _trees(topology, ag), n)
-        if options.max_trees is None or len(pairs) <= options.max_trees:
-            candidates.append(("rs+ag", sum(t.weight for t in pairs) / 2, pairs))
-    name, rate, trees = max(candidates, key=lambda c: c[1])
+    solved: dict[str, LPResult] = {}  # shallow solutions seed the unrestricted LPs (they are feasible there)
+    for shallow in sorted(kinds, reverse=True):
+        if shallow and not _has_shallow_trees(topology, op, root):
+            if options.depth is Depth.SHALLOW:
+                raise ValueError(f"{topology.name} has no spanning trees of depth <= 2 for {op.value}; "
+                                 "use depth='any' or 'auto'")  # fmt: skip
+            continue
+        found = _constructions(topology, op, root, options, bound, shallow, solved)
+        candidates += [(name + ("/shallow" if shallow else ""), rate, trees) for name, rate, trees in found]
+    best = max(rate for _, rate, _ in candidates)
+    near = [c for c in candidates if c[1] >= options.keep * best]
+    name, rate, trees = min(near, key=lambda c: (_depth(op, c[2]), -c[1]))
     return Packing(
         op=op,
         num_ranks=n,
@@ -144,6 +150,65 @@ def pack(
     )
 
 
+def _constructions(topology: Topology, op: Collective, root: int, options: PackOptions, bound: float,
+                   shallow: bool, solved: dict[str, LPResult]) -> list[tuple[str, float, tuple[Tree, ...]]]:
+    """(name, rate, trees) of every construction of `op`, over trees of depth <= 2 if `shallow`.
+    `solved`: LP solutions by role, read as seeds and replaced by this pass's."""
+
+    def solve(role, families, concurrent, target, options=options, seeds=()):
+        earlier = solved.get(role)
+        seeds = list(seeds) + (list(zip(earlier.bundles, earlier.families)) if earlier else [])
+        solved[role] = _solve(topology, families, concurrent, options, target, seeds, shallow)
+        return solved[role]
+
+    n = topology.num_ranks
+    if op is Collective.BROADCAST or op is Collective.REDUCE:
+        direction = Direction.OUT if op is Collective.BROADCAST else Direction.IN
+        trees = _trees(topology, solve("single", [Family(root, (direction,))], False, bound))
+        return [(op.value, sum(t.weight for t in trees), trees)]
+    if op.sharded:
+        direction = Direction.OUT if op is Collective.ALLGATHER else Direction.IN
+        families = [Family(r, (direction,)) for r in range(n)]
+        trees = _trees(topology, solve("forest", families, True, bound / n))
+        return [(op.value, n * min(_per_root(trees, n)), trees)]
+    both = [Family(r, (Direction.IN, Direction.OUT)) for r in range(n)]
+    ins = [Family(r, (Direction.IN,)) for r in range(n)]
+    outs = [Family(r, (Direction.OUT,)) for r in range(n)]
+    # The forests are pruned by `keep` only: combined they take >= 2n trees, and the
+    # construction is left out when that exceeds max_trees.
+    halves = replace(options, max_trees=None)
+    rs = solve("rs", ins, True, reducescatter_bound(topology) / n, halves)
+    ag = solve("ag", outs, True, allgather_bound(topology) / n, halves)
+    # Every (reduce-scatter tree, all-gather tree) pair at a root is a column of the joint LP,
+    # and the rs+ag solution is a mix of them: starting there, the joint LP is never worse.
+    seeds = [((a[0], b[0]), fa) for a, fa in zip(rs.bundles, rs.families)
+             for b, fb in zip(ag.bundles, ag.families) if fa == fb]  # fmt: skip
+    trees = _trees(topology, solve("multiroot", both, False, bound, seeds=seeds))
+    found = [("multiroot", sum(t.weight for t in trees) / 2, trees)]
+    pairs = combine_pairs(_trees(topology, rs), _trees(topology, ag), n)
+    if options.max_trees is None or len(pairs) <= options.max_trees:
+        found.append(("rs+ag", sum(t.weight for t in pairs) / 2, pairs))
+    return found
+
+
+def _has_shallow_trees(topology: Topology, op: Collective, root: int) -> bool:
+    """Whether every root the op needs has spanning trees of depth <= 2 in its directions."""
+    prices = RoutePricer(topology).price(np.ones(len(topology.links)))
+    roots = [root] if op.rooted else range(topology.num_ranks)
+    directions = {Collective.BROADCAST: (Direction.OUT,), Collective.ALLGATHER: (Direction.OUT,),
+                  Collective.REDUCE: (Direction.IN,), Collective.REDUCESCATTER: (Direction.IN,),
+                  Collective.ALLREDUCE: (Direction.IN, Direction.OUT)}[op]  # fmt: skip
+    find = {Direction.OUT: shallow_out_tree, Direction.IN: shallow_in_tree}
+    return all(find[d](prices.cost, r) is not None for r in roots for d in directions)
+
+
+def _depth(op: Collective, trees: tuple[Tree, ...]) -> int:
+    """Packing.depth of a candidate (hops of its longest piece)."""
+    if op is Collective.ALLREDUCE:
+        return max(trees[i].depth + trees[i + 1].depth for i in range(0, len(trees), 2))
+    return max(t.depth for t in trees)
+
+
 def _solve(
     topology: Topology,
     families: list[Family],
@@ -151,10 +216,11 @@ def _solve(
     options: PackOptions,
     target: float,
     seeds: list[tuple[Bundle, int]] = (),
+    shallow: bool = False,
 ) -> LPResult:
     """Solve one master problem; `target` (bytes/s) is its max-flow bound, which ends the search;
-    `seeds` are (bundle, family) columns to start from (LP method)."""
-    problem = PackingProblem(topology, families, concurrent)
+    `seeds` are (bundle, family) columns to start from (LP method); `shallow`: trees of depth <= 2."""
+    problem = PackingProblem(topology, families, concurrent, shallow)
     if options.method is Method.LP:
         result = column_generation(
             problem, options.tol, max_seconds=options.max_seconds, target=target, seeds=seeds
@@ -196,7 +262,8 @@ def describe(packing: Packing, link_unit: float | None) -> str:
         f"  rate   {packing.rate / gb:10.3f} GB/s" + _units(packing.rate, link_unit),
         f"  bound  {packing.bound / gb:10.3f} GB/s" + _units(packing.bound, link_unit)
         + (f"   rate/bound {packing.rate / packing.bound:.4f}" if math.isfinite(packing.bound) else ""),
-        f"  trees  {len(packing.trees)}   solve {packing.solve_seconds:.3f} s   method {packing.method}",
+        f"  trees  {len(packing.trees)}   depth {packing.depth}   solve {packing.solve_seconds:.3f} s   "
+        f"method {packing.method}",
     ]
     if len(packing.candidates) > 1:
         parts = ", ".join(f"{name} {rate / gb:.3f} GB/s" for name, rate in packing.candidates)

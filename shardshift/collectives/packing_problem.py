@@ -56,10 +56,12 @@ class LPResult:
 class PackingProblem:
     """The master LP data for one topology and set of families (see module docstring)."""
 
-    def __init__(self, topology: Topology, families: list[Family], concurrent: bool):
+    def __init__(self, topology: Topology, families: list[Family], concurrent: bool,
+                 shallow: bool = False):
         self.topology = topology
         self.families = families
         self.concurrent = concurrent
+        self.shallow = shallow  # only trees of depth <= 2 (arborescence.shallow_out_tree)
         self.pricer = RoutePricer(topology)
         caps = topology.capacities()
         self.scale = float(caps.max())  # capacities are normalised to <= 1 for the solver
@@ -70,7 +72,7 @@ class PackingProblem:
         prices = self.pricer.price(link_prices)
         out = []
         for family in self.families:
-            parts = [prices.cheapest_tree(family.root, d) for d in family.directions]
+            parts = [prices.cheapest_tree(family.root, d, self.shallow) for d in family.directions]
             out.append((tuple(t for t, _ in parts), sum(c for _, c in parts)))
         return out
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardshift.collectives.arborescence import min_in_tree, min_out_tree
+from shardshift.collectives.arborescence import min_in_tree, min_out_tree, shallow_in_tree, shallow_out_tree
 from shardshift.collectives.ops import Direction
 from shardshift.collectives.topology import Topology
 
@@ -116,13 +116,21 @@ class EdgePrices:
             return [a, b]
         return self._switch_path(a, k) + self._switch_path(k, b)[1:]
 
-    def cheapest_tree(self, root: int, direction: Direction) -> tuple[TreeColumn, float]:
-        """The cheapest spanning tree of the ranks for this root and direction, and its price."""
+    def cheapest_tree(self, root: int, direction: Direction, shallow: bool = False
+                      ) -> tuple[TreeColumn, float]:
+        """The cheapest spanning tree of the ranks for this root and direction, and its price;
+        `shallow`: the cheapest of depth at most 2 (ValueError when there is none)."""
+        if shallow:
+            find = shallow_out_tree if direction is Direction.OUT else shallow_in_tree
+        else:
+            find = min_out_tree if direction is Direction.OUT else min_in_tree
+        parent = find(self.cost, root)
+        if parent is None:
+            raise ValueError(f"no spanning tree of depth <= 2 {'from' if direction is Direction.OUT else 'to'} "
+                             f"rank {root} over the routed edges")  # fmt: skip
         if direction is Direction.OUT:
-            parent = min_out_tree(self.cost, root)
             edges = [(int(parent[v]), v) for v in range(len(parent)) if parent[v] >= 0]
         else:
-            parent = min_in_tree(self.cost, root)
             edges = [(v, int(parent[v])) for v in range(len(parent)) if parent[v] >= 0]
         edges.sort()
         price = float(sum(self.cost[u, v] for u, v in edges))

@@ -88,6 +88,12 @@ class Tree:
         return {v: h(v) for v in list(parent) + [self.root]}
 
 
+    @property
+    def depth(self) -> int:
+        """Hops from the farthest rank to the root (or from the root to it): the chain a pipeline fills."""
+        return max(self.levels().values())
+
+
 @dataclass(frozen=True)
 class Piece:
     """A unit of data in a packing: carried by one tree, or an (IN, OUT) pair for all-reduce."""
@@ -109,8 +115,8 @@ class Packing:
     solve_seconds: float
     root: int | None = None  # broadcast / reduce only
     method: str = "lp"  # "lp" or "mwu"
-    construction: str = ""  # all-reduce: "multiroot" or "rs+ag"; else the op name
-    candidates: tuple[tuple[str, float], ...] = ()  # all-reduce: rate of each construction
+    construction: str = ""  # "multiroot" or "rs+ag" (all-reduce), else the op name; "/shallow": depth <= 2
+    candidates: tuple[tuple[str, float], ...] = ()  # rate of every construction solved
     topology_name: str = ""
 
     def __post_init__(self) -> None:
@@ -151,6 +157,13 @@ class Packing:
         if not math.isclose(self.rate, expected, rel_tol=_REL):
             raise ValueError(f"rate {self.rate} does not match the trees' weights ({expected})")
         assert self.rate <= self.bound * (1 + 1e-6), f"rate {self.rate} above bound {self.bound}"
+
+    @property
+    def depth(self) -> int:
+        """Longest chain of hops one piece's data takes: a tree's depth, or for all-reduce the
+        depth of the IN tree plus that of the OUT tree. Pipelines lose about depth - 1 chunk times
+        to filling and draining (exec_plan.chunks_per_tree)."""
+        return max(sum(self.trees[i].depth for i in piece.trees) for piece in self.pieces())
 
     def pieces(self) -> tuple[Piece, ...]:
         """The data units: one per tree, or one per (IN, OUT) pair for all-reduce."""
