@@ -112,14 +112,14 @@ def _where(op: SendOp | RecvOp) -> str:
 
 
 def _wait_work(clock: _Deadline, work, op: SendOp | RecvOp) -> None:
-    what = _where(op)
+    seconds = clock.deadline - time.monotonic()
     try:
-        work.wait(clock.left(what))
+        work.wait(timedelta(seconds=seconds) if seconds > 0 else clock.left(_where(op)))
     except CollectiveError:
         raise
     except Exception as err:  # gloo reports timeouts and closed peers as RuntimeError
         raise CollectiveError(f"rank {clock.plan.program.rank}: {clock.plan.op.value} failed "
-                              f"{what}: {err}") from err  # fmt: skip
+                              f"{_where(op)}: {err}") from err  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------
@@ -159,14 +159,24 @@ class _Dataflow(_Deadline):
             numel = max((op.numel for op in ops if op.reduce), default=0)
             scratch = [buffer.new_empty(numel) for _ in range(window)] if numel else []
             self.recvs.append(_Queue(peer, lane, ops, False, self.lock, scratch))
+        # The queues holding an op on each chunk: only they can become ready when its counters move.
+        queues = self.sends + self.recvs
+        touching: list[set[int]] = [set() for _ in range(program.num_chunks)]
+        for i, q in enumerate(queues):
+            for op in q.ops:
+                touching[op.chunk].add(i)
+        self.touching = [[queues[i] for i in sorted(found)] for found in touching]
 
-    def pump(self) -> None:
-        """Post every op that is next in its queue, ready, and within the window (lock held).
-        Posting in queue order keeps per-pair FIFO; gloo's send/recv only enqueue, so this is short."""
+    def pump(self, queues: list[_Queue] | None = None) -> None:
+        """Post every op that is next in its queue, ready, and within the window (lock held), of
+        `queues` (default all). Posting in queue order keeps per-pair FIFO; gloo's send/recv only
+        enqueue, so this is short."""
         if self.error is not None:
             return
         applied, sent, buffer = self.applied, self.sent, self.buffer
-        for q in self.sends:
+        for q in self.sends if queues is None else queues:
+            if not q.is_send:
+                continue
             first = q.next
             while q.next < len(q.ops) and q.next - q.done < self.window:
                 op = q.ops[q.next]
@@ -176,7 +186,9 @@ class _Dataflow(_Deadline):
                 q.next += 1
             if q.next != first:
                 q.cond.notify()
-        for q in self.recvs:
+        for q in self.recvs if queues is None else queues:
+            if q.is_send:
+                continue
             first = q.next
             while q.next < len(q.ops) and q.next - q.done < self.window:
                 op = q.ops[q.next]
@@ -192,11 +204,14 @@ class _Dataflow(_Deadline):
                 q.cond.notify()
 
     def count(self, counters: list[int], chunk: int) -> None:
-        """One more write applied to / send completed of `chunk` (lock held): wake its waiters."""
+        """One more write applied to / send completed of `chunk` by an op that just left its
+        queue's window (lock held): wake the chunk's waiters and post what became ready. An op
+        waits only on its chunk's counters and its own queue's window, and the finished op's
+        queue holds an op on `chunk`, so pumping the queues touching `chunk` is enough."""
         counters[chunk] += 1
         for cond in self.blocked.pop(chunk, ()):
             cond.notify()
-        self.pump()
+        self.pump(self.touching[chunk])
 
     def wait(self, q: _Queue, ready: Callable[[], bool], op, chunk: int | None = None) -> None:
         """Block q's thread until `ready()` (lock held); `chunk`: it depends on that chunk's counters."""
