@@ -344,6 +344,12 @@ def test_topo_pack_text_yaml_and_errors(tmp_path, capsys):
     assert code == 2 and "--gpus" in err
     code, out, _ = _cli(["topo", "show", "--preset", "fat-tree", "--hosts", "4", "--json"], capsys)
     assert code == 0 and len(json.loads(out)["pair_rates"]) == 12
+    code, out, _ = _cli(["topo", "pack", "--topology", "docs/topologies/hetero4.yaml", "--op", "allreduce",
+                         "--depth", "any", "--json"], capsys)  # fmt: skip
+    assert code == 0 and json.loads(out)["depth"] == 6 and "/shallow" not in json.loads(out)["construction"]
+    code, _, err = _cli(["topo", "pack", "--preset", "ring", "--ranks", "6", "--op", "broadcast",
+                         "--depth", "shallow"], capsys)  # fmt: skip
+    assert code == 2 and "no spanning trees of depth <= 2" in err
 
 
 def test_bench_packing_runs_small(capsys):
