@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import math
 import time
-
-import numpy as np
 from dataclasses import dataclass, replace
 from enum import Enum
+
+import numpy as np
 
 from shardshift.collectives.arborescence import SHALLOW_MAX_RANKS, shallow_in_tree, shallow_out_tree
 from shardshift.collectives.bounds import allgather_bound, collective_bound, reducescatter_bound
@@ -124,7 +124,7 @@ def pack(
              Depth.AUTO: [False, True] if n <= SHALLOW_MAX_RANKS else [False]}[options.depth]  # fmt: skip
     candidates: list[tuple[str, float, tuple[Tree, ...]]] = []
     solved: dict[str, LPResult] = {}  # shallow solutions seed the unrestricted LPs (they are feasible there)
-    for shallow in sorted(kinds, reverse=True):
+    for shallow in sorted(kinds, reverse=True):  # shallow first
         if shallow and not _has_shallow_trees(topology, op, root):
             if options.depth is Depth.SHALLOW:
                 raise ValueError(f"{topology.name} has no spanning trees of depth <= 2 for {op.value}; "
