@@ -66,13 +66,15 @@ def _row(topology, op: str, **kw) -> dict:
         "bound_gbps": packing.bound / 1e9,
         "ratio": packing.rate / packing.bound,
         "num_trees": len(packing.trees),
+        "depth": packing.depth,
         "solve_seconds": packing.solve_seconds,
         "method": packing.method,
     }
     if op == "allreduce":
         row["candidates_gbps"] = {name: rate / 1e9 for name, rate in packing.candidates}
         row["construction"] = packing.construction
-        # The kept construction is the better one by choice; this ratio is 1 by construction.
+        # The kept construction is the shallowest within `keep` of the best (packing.py, Depth),
+        # so this ratio is >= keep, and 1 when no shallower construction came close.
         row["vs_best_construction"] = packing.rate / max(rate for _, rate in packing.candidates)
     return row
 
