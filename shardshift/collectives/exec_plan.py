@@ -85,6 +85,8 @@ class RankProgram:
     sends: tuple[tuple[int, int, tuple[SendOp, ...]], ...]  # (peer, lane, FIFO) per send queue
     recvs: tuple[tuple[int, int, tuple[RecvOp, ...]], ...]  # (peer, lane, FIFO) per receive queue
     steps: tuple[tuple[SendOp | RecvOp, ...], ...]  # ops grouped by schedule step, global order
+    # touching[c]: the queues holding an op on chunk c, as indices into sends + recvs
+    touching: tuple[tuple[int, ...], ...]
     max_reduce_numel: int  # largest chunk received with REDUCE (scratch per posted receive)
     step_reduce_numel: int  # most REDUCE elements received within one step (step-batched scratch)
 
@@ -170,13 +172,20 @@ def compile_plan(schedule: Schedule, count: int, rank: int, num_trees: int = 0) 
         by_step.setdefault(op.step, []).append(op)
         if isinstance(op, RecvOp) and op.reduce:
             step_reduce[op.step] = step_reduce.get(op.step, 0) + op.numel
+    sends = tuple((p, lane, tuple(q)) for (is_send, p, lane), q in sorted(by_queue.items()) if is_send)
+    recvs = tuple((p, lane, tuple(q)) for (is_send, p, lane), q in sorted(by_queue.items()) if not is_send)
+    touching: list[set[int]] = [set() for _ in ranges]
+    for i, (_, _, queue) in enumerate(sends + recvs):
+        for op in queue:
+            touching[op.chunk].add(i)
     program = RankProgram(
         rank=rank,
         num_chunks=len(ranges),
         ops=tuple(ops),
-        sends=tuple((p, lane, tuple(q)) for (is_send, p, lane), q in sorted(by_queue.items()) if is_send),
-        recvs=tuple((p, lane, tuple(q)) for (is_send, p, lane), q in sorted(by_queue.items()) if not is_send),
+        sends=sends,
+        recvs=recvs,
         steps=tuple(tuple(by_step[s]) for s in sorted(by_step)),
+        touching=tuple(tuple(sorted(found)) for found in touching),
         max_reduce_numel=max((op.numel for op in ops if isinstance(op, RecvOp) and op.reduce), default=0),
         step_reduce_numel=max(step_reduce.values(), default=0),
     )

@@ -161,11 +161,7 @@ class _Dataflow(_Deadline):
             self.recvs.append(_Queue(peer, lane, ops, False, self.lock, scratch))
         # The queues holding an op on each chunk: only they can become ready when its counters move.
         queues = self.sends + self.recvs
-        touching: list[set[int]] = [set() for _ in range(program.num_chunks)]
-        for i, q in enumerate(queues):
-            for op in q.ops:
-                touching[op.chunk].add(i)
-        self.touching = [[queues[i] for i in sorted(found)] for found in touching]
+        self.touching = [[queues[i] for i in found] for found in program.touching]
 
     def pump(self, queues: list[_Queue] | None = None) -> None:
         """Post every op that is next in its queue, ready, and within the window (lock held), of
