@@ -55,7 +55,7 @@ from shardshift.collectives.packing_mwu import multiplicative_weights
 from shardshift.collectives.packing_problem import Bundle, Family, LPResult, PackingProblem
 from shardshift.collectives.routing import RoutePricer, check_reachable
 from shardshift.collectives.topology import Topology
-from shardshift.collectives.tree import Packing, Tree, combine_pairs
+from shardshift.collectives.tree import Packing, Tree, combine_pairs, packing_depth
 
 __all__ = ["Depth", "Method", "PackOptions", "Packing", "Tree", "pack"]
 
@@ -134,7 +134,7 @@ def pack(
         candidates += [(name + ("/shallow" if shallow else ""), rate, trees) for name, rate, trees in found]
     best = max(rate for _, rate, _ in candidates)
     near = [c for c in candidates if c[1] >= options.keep * best]
-    name, rate, trees = min(near, key=lambda c: (_depth(op, c[2]), -c[1]))
+    name, rate, trees = min(near, key=lambda c: (packing_depth(op, c[2]), -c[1]))
     return Packing(
         op=op,
         num_ranks=n,
@@ -200,13 +200,6 @@ def _has_shallow_trees(topology: Topology, op: Collective, root: int) -> bool:
                   Collective.ALLREDUCE: (Direction.IN, Direction.OUT)}[op]  # fmt: skip
     find = {Direction.OUT: shallow_out_tree, Direction.IN: shallow_in_tree}
     return all(find[d](prices.cost, r) is not None for r in roots for d in directions)
-
-
-def _depth(op: Collective, trees: tuple[Tree, ...]) -> int:
-    """Packing.depth of a candidate (hops of its longest piece)."""
-    if op is Collective.ALLREDUCE:
-        return max(trees[i].depth + trees[i + 1].depth for i in range(0, len(trees), 2))
-    return max(t.depth for t in trees)
 
 
 def _solve(

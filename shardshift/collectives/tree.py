@@ -160,10 +160,8 @@ class Packing:
 
     @property
     def depth(self) -> int:
-        """Longest chain of hops one piece's data takes: a tree's depth, or for all-reduce the
-        depth of the IN tree plus that of the OUT tree. Pipelines lose about depth - 1 chunk times
-        to filling and draining (exec_plan.chunks_per_tree)."""
-        return max(sum(self.trees[i].depth for i in piece.trees) for piece in self.pieces())
+        """See `packing_depth`."""
+        return packing_depth(self.op, self.trees)
 
     def pieces(self) -> tuple[Piece, ...]:
         """The data units: one per tree, or one per (IN, OUT) pair for all-reduce."""
@@ -171,6 +169,15 @@ class Packing:
             return tuple(Piece(self.trees[i].root, self.trees[i].weight, (i, i + 1))
                          for i in range(0, len(self.trees), 2))  # fmt: skip
         return tuple(Piece(t.root, t.weight, (i,)) for i, t in enumerate(self.trees))
+
+
+def packing_depth(op: Collective, trees: tuple[Tree, ...]) -> int:
+    """Longest chain of hops one piece's data takes: a tree's depth, or for all-reduce (trees in
+    (IN, OUT) pairs) the depth of the IN tree plus that of the OUT tree. Pipelines lose about
+    depth - 1 chunk times to filling and draining (exec_plan.chunks_per_tree)."""
+    if op is Collective.ALLREDUCE:
+        return max(trees[i].depth + trees[i + 1].depth for i in range(0, len(trees), 2))
+    return max(t.depth for t in trees)
 
 
 def combine_pairs(rs: tuple[Tree, ...], ag: tuple[Tree, ...], num_ranks: int) -> tuple[Tree, ...]:
