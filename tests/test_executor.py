@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,9 +27,11 @@ from shardshift.collectives.ring import best_ring, ring_packing
 from shardshift.collectives.runner import RunOptions, TreeCollectives
 from shardshift.collectives.schedule import make_schedule
 from shardshift.collectives.topology import Link, Topology
+from shardshift.collectives.topology_io import load_topology
 from shardshift.collectives.topology_spec import topology_from_plain, topology_from_spec, topology_to_dict
 
 OPS = list(Collective)
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 MBIT = 1e6 / 8
 
 
@@ -71,6 +74,24 @@ def test_compiled_queues_match_between_ranks(topology, count_per_rank):
         # The k-th send on (a → b, lane) is the k-th receive there: FIFO matching per tag.
         assert sent == received
         assert sum(e - b for b, e in plans[0].ranges) == count
+
+
+def test_every_lane_carries_one_tree():
+    """An all-reduce piece reduces up its IN tree and broadcasts down its OUT tree; where both cross
+    the same ordered pair, they still travel in separate lanes (exec_plan.lane_of)."""
+    topology = load_topology(DOCS / "topologies" / "hetero5.yaml")
+    packing = pack(topology, Collective.ALLREDUCE)
+    schedule = make_schedule(packing, num_chunks_per_tree=3)
+    shared_pairs = 0
+    for piece in packing.pieces():
+        edges = [set(packing.trees[i].edges) for i in piece.trees]
+        shared_pairs += len(set.intersection(*edges)) if len(edges) == 2 else 0
+    assert shared_pairs > 0  # the case the lanes are split for occurs here
+    for rank in range(topology.num_ranks):
+        plan = compile_plan(schedule, 5 * 999, rank)
+        for _, lane, ops in plan.program.sends + plan.program.recvs:
+            trees = {(schedule.chunks[o.chunk].piece, schedule.transfers[o.index].kind) for o in ops}
+            assert len(trees) == 1, f"rank {rank}, lane {lane} mixes {sorted(trees)}"
 
 
 def test_small_counts_leave_empty_chunks_out():

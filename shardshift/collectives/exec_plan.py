@@ -19,11 +19,11 @@ running a plan deadlock-free (executor.py): the first unfinished transfer in the
 all its dependencies done, so both of its ranks can post it, and it completes.
 
 `sends` and `recvs` group the ops into queues by (peer, lane), each queue in global order. The lane
-is the chunk's piece (one tree, or one all-reduce tree pair) and is used as the message tag, so
-every (pair of ranks, piece) is its own first-in first-out stream: both sides post its messages
-in that order, and the k-th send from a to b on a lane is the k-th receive at b from a on that
-lane, of equal size (the schedule's rule 1, applied per tag). Separate lanes keep a chunk of one
-tree from waiting behind a late chunk of another tree that happens to cross the same pair.
+is the transfer's tree (`lane_of`) and is used as the message tag, so every (pair of ranks, tree)
+is its own first-in first-out stream: both sides post its messages in that order, and the k-th
+send from a to b on a lane is the k-th receive at b from a on that lane, of equal size (the
+schedule's rule 1, applied per tag). Separate lanes keep a chunk of one tree from waiting behind a
+late chunk of another tree that happens to cross the same pair.
 
 Pure data: no torch.distributed here (STYLE.md practice 1).
 """
@@ -48,7 +48,7 @@ class SendOp:
     index: int  # position in the schedule's global transfer list
     step: int
     peer: int
-    lane: int  # the chunk's piece: the message tag
+    lane: int  # the transfer's tree (lane_of): the message tag
     chunk: int
     begin: int
     end: int
@@ -142,6 +142,15 @@ def chunks_per_tree(nbytes: int, num_pieces: int, *, seconds: float | None = Non
     return max(1, min(max_chunks, k))
 
 
+def lane_of(piece: int, kind: TransferKind) -> int:
+    """The lane (message tag) of a transfer of `piece`: one per tree. A piece is one tree, except
+    for all-reduce, where it is an IN tree (its REDUCE transfers) and an OUT tree (its COPYs).
+    Those two get lanes of their own: in one lane the reduction of chunk j + d waited, first in
+    first out, behind the broadcast of chunk j wherever both trees cross the same pair, which tied
+    each piece's reduction to the round trip through its root (docs/collectives.md)."""
+    return 2 * piece + (kind is TransferKind.COPY)
+
+
 def compile_plan(schedule: Schedule, count: int, rank: int, num_trees: int = 0) -> ExecutionPlan:
     """Compile `schedule` for a buffer of `count` elements, as executed by `rank`."""
     n = schedule.num_ranks
@@ -155,7 +164,7 @@ def compile_plan(schedule: Schedule, count: int, rank: int, num_trees: int = 0) 
         begin, end = ranges[t.chunk]
         if begin == end or rank not in (t.src, t.dst):
             continue
-        lane = schedule.chunks[t.chunk].piece
+        lane = lane_of(schedule.chunks[t.chunk].piece, t.kind)
         if t.src == rank:
             ops.append(SendOp(index, t.step, t.dst, lane, t.chunk, begin, end, writes[t.chunk]))
             sends[t.chunk] += 1

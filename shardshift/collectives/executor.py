@@ -7,9 +7,8 @@ returning a `Work` with `wait(timeout)`: a `ProcessGroup` (e.g. `dist.group.WORL
 such as `ProcessGroupGloo`. Every rank of the group must call it with the same plan (the caller
 checks that, see runner.py). `batch_isend_irecv` is not used: it can hang on gloo (REFERENCE.md §4).
 
-Messages travel in queues, one per (peer, lane, direction); the lane is the chunk's piece (a tree
-or an all-reduce tree pair) and is the message tag, so each queue is its own first-in first-out
-stream (exec_plan.py). Two modes, both deadlock-free by the schedule's ordering rule (schedule.py):
+Messages travel in queues, one per (peer, lane, direction); the lane is the transfer's tree and is
+the message tag, so each queue is its own first-in first-out stream (exec_plan.py). Two modes, both deadlock-free by the schedule's ordering rule (schedule.py):
 
   DATAFLOW (default)  every op is posted as soon as it is ready (its chunk final on this rank for
       a send; for a receive, a free scratch slot or, for a COPY, the chunk's earlier writes applied
@@ -164,32 +163,28 @@ class _Dataflow(_Deadline):
         self.touching = [[queues[i] for i in found] for found in program.touching]
 
     def pump(self, queues: list[_Queue] | None = None) -> None:
-        """Post every op that is next in its queue, ready, and within the window (lock held), of
-        `queues` (default all). Posting in queue order keeps per-pair FIFO; gloo's send/recv only
-        enqueue, so this is short."""
+        """Post every op of `queues` (default all) that is next in its queue, ready, and within
+        the window (lock held). Posting in queue order keeps each lane's FIFO; the sends found are
+        posted in the global order, earliest first, whatever their queue: gloo writes them to the
+        peer's connection in the order posted, so a lane's early chunk is not queued behind
+        another lane's whole window (at the start every lane has a window ready at once). gloo's
+        send/recv only enqueue, so this is short."""
         if self.error is not None:
             return
-        applied, sent, buffer = self.applied, self.sent, self.buffer
-        for q in self.sends if queues is None else queues:
-            if not q.is_send:
+        applied, sent, buffer, window = self.applied, self.sent, self.buffer, self.window
+        ready = []
+        for q in self.sends + self.recvs if queues is None else queues:
+            if q.is_send:  # ready: final on this rank (its earlier writes applied)
+                for op in q.ops[q.next:q.done + window]:
+                    if applied[op.chunk] < op.after_writes:
+                        break
+                    ready.append((op.index, q))
                 continue
             first = q.next
-            while q.next < len(q.ops) and q.next - q.done < self.window:
-                op = q.ops[q.next]
-                if applied[op.chunk] < op.after_writes:  # not final on this rank yet
-                    break
-                q.posted.append((op, self.group.send([buffer[op.begin:op.end]], q.peer, q.lane), None))
-                q.next += 1
-            if q.next != first:
-                q.cond.notify()
-        for q in self.recvs if queues is None else queues:
-            if q.is_send:
-                continue
-            first = q.next
-            while q.next < len(q.ops) and q.next - q.done < self.window:
+            while q.next < len(q.ops) and q.next - q.done < window:
                 op = q.ops[q.next]
                 if op.reduce:  # lands in scratch: at most `window` posted, so this slot is free
-                    landing = q.scratch[q.next % self.window][: op.numel]
+                    landing = q.scratch[q.next % window][: op.numel]
                 elif applied[op.chunk] >= op.ordinal and sent[op.chunk] >= op.after_sends:
                     landing = buffer[op.begin:op.end]  # earlier writes applied, earlier reads done
                 else:
@@ -198,6 +193,12 @@ class _Dataflow(_Deadline):
                 q.next += 1
             if q.next != first:
                 q.cond.notify()
+        ready.sort(key=_first)
+        for _, q in ready:  # a queue's ops keep their order: the global order is the queue order
+            op = q.ops[q.next]
+            q.posted.append((op, self.group.send([buffer[op.begin:op.end]], q.peer, q.lane), None))
+            q.next += 1
+            q.cond.notify()
 
     def count(self, counters: list[int], chunk: int) -> None:
         """One more write applied to / send completed of `chunk` by an op that just left its
@@ -273,6 +274,10 @@ def _run_dataflow(plan, buffer, group, combine, deadline, window, pool) -> None:
     finally:
         if own_pool:
             pool.shutdown(wait=False)
+
+
+def _first(item: tuple) -> int:
+    return item[0]
 
 
 def _guarded(flow: _Dataflow, q: _Queue) -> None:
