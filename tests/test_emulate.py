@@ -118,6 +118,14 @@ def test_build_and_teardown(emulated_network):
 
 
 @pytest.mark.netns
+@pytest.mark.parametrize("slow_start_after_idle", [False, True])
+def test_tcp_slow_start_after_idle_is_set_per_rank(emulated_network, slow_start_after_idle):
+    net = emulated_network(RATES, 4, slow_start_after_idle=slow_start_after_idle)
+    read = ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]
+    assert [net.run(r, read).stdout.strip() for r in range(4)] == [str(int(slow_start_after_idle))] * 4
+
+
+@pytest.mark.netns
 def test_teardown_after_exception_in_block(require_netns):
     with pytest.raises(RuntimeError, match="inside the block"):
         with EmulatedNetwork(RATES, 4) as net:

@@ -59,6 +59,8 @@ def register(subparsers) -> None:
                         "printed is the probed topology's")
     p.add_argument("--emulate-scale", default="auto",
                    help="emulated rate = topology pair rate × this; 'auto' maps the fastest pair to 1 Gbit/s")
+    p.add_argument("--tcp-slow-start-after-idle", action="store_true",
+                   help="emulate: keep the kernel's default of restarting TCP slow start after an idle period")
     p.add_argument("--root", type=int, default=0, help="root of broadcast / reduce")
     p.add_argument("--dtype", default="float32", choices=_TYPES)
     p.add_argument("--redop", default="sum", choices=["sum", "product", "min", "max", "avg"])
@@ -168,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "shardshift.cli.bench_collectives_worker", config_path]
         try:
             if args.emulate:
-                _run_emulated(argv, emulation_rates(topology, 1.0), n, args.timeout)
+                _run_emulated(argv, emulation_rates(topology, 1.0), n, args.timeout,
+                              args.tcp_slow_start_after_idle)
             else:
                 _run_local(argv, n, tmp, args.timeout)
             result = json.loads(Path(config["out"]).read_text())
@@ -201,13 +204,14 @@ def _run_local(argv: list[str], n: int, tmp: str, timeout: float) -> None:
         raise RuntimeError(f"exit codes {codes}")
 
 
-def _run_emulated(argv: list[str], rates: dict, n: int, timeout: float) -> None:
+def _run_emulated(argv: list[str], rates: dict, n: int, timeout: float,
+                  slow_start_after_idle: bool) -> None:
     from shardshift.collectives.emulate import EmulatedNetwork, netns_unavailable_reason, wait_all
 
     reason = netns_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    with EmulatedNetwork(rates, n) as net:
+    with EmulatedNetwork(rates, n, slow_start_after_idle=slow_start_after_idle) as net:
         codes = wait_all(net.launch(argv), timeout_s=timeout)
     if any(codes):
         raise RuntimeError(f"exit codes {codes}")

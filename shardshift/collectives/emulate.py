@@ -12,6 +12,13 @@ that exists only in its namespace; workers join a process group with `init_proce
 (a file store in a fresh directory: no ports to pick). The command line is in `emulate_cli.py`:
 `python -m shardshift.collectives.emulate --nproc 4 --rate 1gbit -- CMD ...`.
 
+TCP in the rank namespaces keeps its congestion window across idle periods
+(`net.ipv4.tcp_slow_start_after_idle=0`, a per-namespace setting) unless `slow_start_after_idle`
+is given: with the kernel's default, a connection idle for one retransmission timeout restarts
+from slow start, so a collective that follows a pause (another collective on other pairs,
+checking results, computing) ramps up each of its connections again. That is how clusters that
+run collectives over TCP are usually tuned; docs/collectives.md has what it changes.
+
 Everything is torn down (processes killed, namespaces deleted) on `with` exit, `close()`, at
 interpreter exit, and on SIGTERM / SIGINT; `cleanup_stale()` removes what a killed process left.
 Needs root and iproute2; `netns_unavailable_reason()` says why it cannot run here.
@@ -73,6 +80,8 @@ def netns_unavailable_reason() -> str | None:
         return "link emulation needs root (network namespaces and tc); run as root, e.g. in CI"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "link emulation needs iproute2's `ip` and `tc`; install iproute2"
+    if shutil.which("sysctl") is None:
+        return "link emulation needs `sysctl` (to tune TCP in the namespaces); install procps"
     probe = f"{network_name(DEFAULT_PREFIX, os.getpid(), next(_COUNTER))}-br"
     try:
         run_command(["ip", "netns", "add", probe], what="create a test namespace")
@@ -91,8 +100,9 @@ class EmulatedNetwork:
     """
 
     def __init__(self, rates: Mapping[tuple[int, int], float], n: int,
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX, slow_start_after_idle: bool = False) -> None:
         check_prefix(prefix)
+        self.slow_start_after_idle = slow_start_after_idle  # the kernel's default: see module doc
         self.plan = EmulationPlan.build(
             rates, n, network_name(prefix, os.getpid(), next(_COUNTER)))
         self._owner_pid = os.getpid()
@@ -130,6 +140,10 @@ class EmulatedNetwork:
                             input=_lines(plan.rank_batch(rank)))
                 run_command(["tc", "-n", ns, "-batch", "-"], what=f"shape rank {rank}'s links",
                             input=_lines(plan.tc_batch(rank)))
+                if not self.slow_start_after_idle:
+                    run_command(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                                 "net.ipv4.tcp_slow_start_after_idle=0"],
+                                what=f"keep TCP windows across idle periods in rank {rank}")  # fmt: skip
         except BaseException:
             self.close(raise_on_leftovers=False)
             raise

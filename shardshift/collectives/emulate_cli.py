@@ -103,6 +103,8 @@ def _add_network_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rates-file", type=Path, help="JSON or YAML rates file")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX,
                         help="namespace name prefix (the pid and a counter are appended)")
+    parser.add_argument("--tcp-slow-start-after-idle", action="store_true",
+                        help="keep the kernel's default of restarting TCP slow start after an idle period")
 
 
 def _network(args: argparse.Namespace) -> EmulatedNetwork:
@@ -112,7 +114,7 @@ def _network(args: argparse.Namespace) -> EmulatedNetwork:
         rates, n = rates_from_spec(args.rate, args.nproc), args.nproc
     else:
         rates, n = rates_from_file(args.rates_file, args.nproc)
-    return EmulatedNetwork(rates, n, prefix=args.prefix)
+    return EmulatedNetwork(rates, n, prefix=args.prefix, slow_start_after_idle=args.tcp_slow_start_after_idle)
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
