@@ -17,7 +17,7 @@ from shardshift.collectives.checker import check_schedule
 from shardshift.collectives.bounds import collective_bound
 from shardshift.collectives.emulate_topology import auto_scale, emulation_rates, scaled
 from shardshift.collectives.exec_plan import SendOp, chunks_per_tree, compile_plan
-from shardshift.collectives.executor import CollectiveError, ExecMode
+from shardshift.collectives.executor import CollectiveError, ExecMode, _Dataflow
 from shardshift.collectives.ops import Collective
 from shardshift.collectives.packing import pack
 from shardshift.collectives.presets import dgx1v, fat_tree, full, ring
@@ -92,6 +92,31 @@ def test_every_lane_carries_one_tree():
         for _, lane, ops in plan.program.sends + plan.program.recvs:
             trees = {(schedule.chunks[o.chunk].piece, schedule.transfers[o.index].kind) for o in ops}
             assert len(trees) == 1, f"rank {rank}, lane {lane} mixes {sorted(trees)}"
+
+
+def test_one_pump_posts_the_sends_it_finds_in_global_order():
+    """gloo writes a pair's messages in the order they are posted: at the start every lane has a
+    window of sends ready, and they must go out earliest first, not lane by lane."""
+    posted = []
+
+    class Recording:
+        def send(self, tensors, dst, tag):
+            posted.append((dst, tag))
+            return None
+
+        def recv(self, tensors, src, tag):
+            return None
+
+    packing = pack(hetero4(), Collective.ALLREDUCE)
+    plan = compile_plan(make_schedule(packing, num_chunks_per_tree=6), 4 * 6000, rank=1)
+    flow = _Dataflow(plan, torch.zeros(plan.count), Recording(), Reduction.SUM.combine,
+                     time.monotonic() + 60, window=4)  # fmt: skip
+    with flow.lock:
+        flow.pump()
+    sends = [q.posted for q in flow.sends]
+    order = sorted((op.index, op.peer, op.lane) for queue in sends for op, _, _ in queue)
+    assert posted == [(peer, lane) for _, peer, lane in order]
+    assert len({lane for _, lane in posted}) > 1 and all(len(queue) <= 4 for queue in sends)
 
 
 def test_small_counts_leave_empty_chunks_out():
