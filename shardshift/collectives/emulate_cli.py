@@ -114,7 +114,8 @@ def _network(args: argparse.Namespace) -> EmulatedNetwork:
         rates, n = rates_from_spec(args.rate, args.nproc), args.nproc
     else:
         rates, n = rates_from_file(args.rates_file, args.nproc)
-    return EmulatedNetwork(rates, n, prefix=args.prefix, slow_start_after_idle=args.tcp_slow_start_after_idle)
+    return EmulatedNetwork(rates, n, prefix=args.prefix,
+                           slow_start_after_idle=args.tcp_slow_start_after_idle)
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:

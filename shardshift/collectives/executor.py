@@ -8,7 +8,8 @@ such as `ProcessGroupGloo`. Every rank of the group must call it with the same p
 checks that, see runner.py). `batch_isend_irecv` is not used: it can hang on gloo (REFERENCE.md §4).
 
 Messages travel in queues, one per (peer, lane, direction); the lane is the transfer's tree and is
-the message tag, so each queue is its own first-in first-out stream (exec_plan.py). Two modes, both deadlock-free by the schedule's ordering rule (schedule.py):
+the message tag, so each queue is its own first-in first-out stream (exec_plan.py). Two modes,
+both deadlock-free by the schedule's ordering rule (schedule.py):
 
   DATAFLOW (default)  every op is posted as soon as it is ready (its chunk final on this rank for
       a send; for a receive, a free scratch slot or, for a COPY, the chunk's earlier writes applied
@@ -48,6 +49,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from enum import Enum
+from operator import itemgetter
 
 import torch
 
@@ -193,7 +195,7 @@ class _Dataflow(_Deadline):
                 q.next += 1
             if q.next != first:
                 q.cond.notify()
-        ready.sort(key=_first)
+        ready.sort(key=itemgetter(0))
         for _, q in ready:  # a queue's ops keep their order: the global order is the queue order
             op = q.ops[q.next]
             q.posted.append((op, self.group.send([buffer[op.begin:op.end]], q.peer, q.lane), None))
@@ -274,10 +276,6 @@ def _run_dataflow(plan, buffer, group, combine, deadline, window, pool) -> None:
     finally:
         if own_pool:
             pool.shutdown(wait=False)
-
-
-def _first(item: tuple) -> int:
-    return item[0]
 
 
 def _guarded(flow: _Dataflow, q: _Queue) -> None:
