@@ -60,6 +60,12 @@ from shardshift.collectives.tree import Packing, Tree, combine_pairs, packing_de
 __all__ = ["Depth", "Method", "PackOptions", "Packing", "Tree", "pack"]
 
 
+# The direction of each op's trees: data flows out from its root, or in to it (all-reduce: both).
+_DIRECTIONS = {Collective.BROADCAST: (Direction.OUT,), Collective.ALLGATHER: (Direction.OUT,),
+               Collective.REDUCE: (Direction.IN,), Collective.REDUCESCATTER: (Direction.IN,),
+               Collective.ALLREDUCE: (Direction.IN, Direction.OUT)}  # fmt: skip
+
+
 class Method(Enum):
     """How the packing LP is solved."""
 
@@ -112,7 +118,7 @@ def pack(
         raise ValueError(f"{op.value} on {n} ranks needs at least {fewest} trees; "
                          f"give max_trees >= {fewest}")  # fmt: skip
     if op.rooted:
-        check_reachable(topology, [root], Direction.OUT if op is Collective.BROADCAST else Direction.IN)
+        check_reachable(topology, [root], _DIRECTIONS[op][0])
     else:
         check_reachable(topology, range(n), Direction.OUT)  # every rank must reach every other
     if options.depth is Depth.SHALLOW and n > SHALLOW_MAX_RANKS:
@@ -163,11 +169,11 @@ def _constructions(topology: Topology, op: Collective, root: int, options: PackO
 
     n = topology.num_ranks
     if op is Collective.BROADCAST or op is Collective.REDUCE:
-        direction = Direction.OUT if op is Collective.BROADCAST else Direction.IN
+        (direction,) = _DIRECTIONS[op]
         trees = _trees(topology, solve("single", [Family(root, (direction,))], False, bound))
         return [(op.value, sum(t.weight for t in trees), trees)]
     if op.sharded:
-        direction = Direction.OUT if op is Collective.ALLGATHER else Direction.IN
+        (direction,) = _DIRECTIONS[op]
         families = [Family(r, (direction,)) for r in range(n)]
         trees = _trees(topology, solve("forest", families, True, bound / n))
         return [(op.value, n * min(_per_root(trees, n)), trees)]
@@ -195,11 +201,8 @@ def _has_shallow_trees(topology: Topology, op: Collective, root: int) -> bool:
     """Whether every root the op needs has spanning trees of depth <= 2 in its directions."""
     prices = RoutePricer(topology).price(np.ones(len(topology.links)))
     roots = [root] if op.rooted else range(topology.num_ranks)
-    directions = {Collective.BROADCAST: (Direction.OUT,), Collective.ALLGATHER: (Direction.OUT,),
-                  Collective.REDUCE: (Direction.IN,), Collective.REDUCESCATTER: (Direction.IN,),
-                  Collective.ALLREDUCE: (Direction.IN, Direction.OUT)}[op]  # fmt: skip
     find = {Direction.OUT: shallow_out_tree, Direction.IN: shallow_in_tree}
-    return all(find[d](prices.cost, r) is not None for r in roots for d in directions)
+    return all(find[d](prices.cost, r) is not None for r in roots for d in _DIRECTIONS[op])
 
 
 def _solve(

@@ -87,7 +87,6 @@ class Tree:
 
         return {v: h(v) for v in list(parent) + [self.root]}
 
-
     @property
     def depth(self) -> int:
         """Hops from the farthest rank to the root (or from the root to it): the chain a pipeline fills."""
