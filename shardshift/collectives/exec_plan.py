@@ -181,8 +181,9 @@ def compile_plan(schedule: Schedule, count: int, rank: int, num_trees: int = 0) 
         by_step.setdefault(op.step, []).append(op)
         if isinstance(op, RecvOp) and op.reduce:
             step_reduce[op.step] = step_reduce.get(op.step, 0) + op.numel
-    sends = tuple((p, lane, tuple(q)) for (is_send, p, lane), q in sorted(by_queue.items()) if is_send)
-    recvs = tuple((p, lane, tuple(q)) for (is_send, p, lane), q in sorted(by_queue.items()) if not is_send)
+    queues = sorted(by_queue.items())  # receives first (is_send False), then by (peer, lane)
+    sends = tuple((p, lane, tuple(q)) for (is_send, p, lane), q in queues if is_send)
+    recvs = tuple((p, lane, tuple(q)) for (is_send, p, lane), q in queues if not is_send)
     touching: list[set[int]] = [set() for _ in ranges]
     for i, (_, _, queue) in enumerate(sends + recvs):
         for op in queue:
