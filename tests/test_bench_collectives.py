@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,18 @@ def test_small_run_reports_every_impl_without_wrong_elements():
         assert r["wrong"] == 0 and r["op"] == "reducescatter" and r["count"] == 96 * 1024 // 4
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)
         assert "bound_algbw_gbps" in r
+        # Rank 0's host over the timed calls; None when they fit inside one 10 ms clock tick.
+        assert r["cpu_busy"] is None or 0 <= r["cpu_busy"] <= 1
+
+
+def test_cpu_ticks_count_busy_time_of_the_host():
+    from shardshift.cli.bench_collectives_worker import cpu_ticks
+
+    before = cpu_ticks()
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:  # keep one CPU busy for at least 5 ticks
+        pass
+    after = cpu_ticks()
+    assert before is not None and after is not None  # Linux
+    busy, total = after[0] - before[0], after[1] - before[1]
+    assert 0 < busy <= total and busy >= 4  # 10 ms ticks: 50 ms of this process's CPU at least

@@ -9,7 +9,9 @@ Rows: size (bytes), count (elements), type, redop, root, impl, time (us, median 
 slowest rank), algbw (GB/s, 1e9 bytes; for all-gather and reduce-scatter the whole gathered
 buffer), busbw (algbw × 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for
 broadcast and reduce), #wrong (elements that differ from the locally computed result, summed over
-ranks and runs), and the bound of the topology (bounds.py) where one is given.
+ranks and runs), the bound of the topology (bounds.py) where one is given, and cpu: the share of
+the host's CPUs busy during the timed calls (rank 0's host, from /proc/stat). Emulated ranks
+share one host: where cpu is near 1, the CPUs, not the links, set the times.
 
   gloo   torch.distributed's own collective on the gloo group
   ring   the ring algorithm (ring.py) on the best ring of the topology, run by the tree executor
@@ -226,7 +228,7 @@ def _row(r: dict, op: Collective, args, n: int, bound: float | None, scale: floa
         "algbw_gbps": algbw, "busbw_gbps": algbw * op.busbw_factor(n), "wrong": r["wrong"],
         "times_us": [t * 1e6 for t in r["all_seconds"]], "num_trees": r["num_trees"],
         "plan_algbw_gbps": r["packing_rate"] / 1e9 if r["packing_rate"] else None,
-        "nproc": n, "emulate_scale": scale if args.emulate else None,
+        "nproc": n, "emulate_scale": scale if args.emulate else None, "cpu_busy": r["cpu_busy"],
     }  # fmt: skip
     if "picked" in r:
         row["picked"] = r["picked"]  # auto: what the backend chose for this size
@@ -243,16 +245,19 @@ def _print_table(rows: list[dict], op: Collective, topology, n: int, scale: floa
     print(f"# {op.value} on {where}, {n} ranks"
           + (f", emulated links at {scale:.4g} × the topology's rates" if emulated else ", loopback"))
     head = (f"{'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'root':>4} {'impl':>6} "
-            f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>6} {'bound':>8} {'of bound':>8} {'vs gloo':>7}")
+            f"{'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>6} {'bound':>8} {'of bound':>8} {'vs gloo':>7} {'cpu':>5}")
     print(head)
     gloo = {r["bytes"]: r["time_us"] for r in rows if r["impl"] == "gloo"}
     for r in rows:
         bound = f"{r['bound_algbw_gbps']:8.4f} {r['of_bound']:8.3f}" if "bound_algbw_gbps" in r else f"{'-':>8} {'-':>8}"
         speedup = f"{gloo[r['bytes']] / r['time_us']:7.2f}" if r["bytes"] in gloo else f"{'-':>7}"
+        cpu = f"{r['cpu_busy']:5.2f}" if r["cpu_busy"] is not None else f"{'-':>5}"
         print(f"{r['bytes']:>10} {r['count']:>10} {r['type']:>8} {r['redop'] or '-':>6} "
               f"{'-' if r['root'] is None else r['root']:>4} {r['impl']:>6} {r['time_us']:11.1f} "
-              f"{r['algbw_gbps']:8.4f} {r['busbw_gbps']:8.4f} {r['wrong']:>6} {bound} {speedup}")  # fmt: skip
+              f"{r['algbw_gbps']:8.4f} {r['busbw_gbps']:8.4f} {r['wrong']:>6} {bound} {speedup} {cpu}")  # fmt: skip
     picks = [f"{r['bytes']}: {r['picked']}" for r in rows if r.get("picked")]
     if picks:
         print("# auto picked " + ", ".join(picks))
     print("# algbw, busbw, bound: GB/s (1e9 bytes/s); vs gloo: gloo's time / this time")
+    print("# cpu: share of this host's CPUs busy during the timed calls; near 1 the CPUs, not the "
+          "links, set the times")

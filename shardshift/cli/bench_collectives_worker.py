@@ -10,6 +10,12 @@ implementations take turns in a rotating order, so drifts of a shared machine hi
 A timed call starts after a barrier; its time is the slowest rank's. Results are checked against
 values computed locally (inputs are small integers, so sums are exact in every dtype here) and
 rank 0 writes {"rows": [...], "info": {...}} to the config's `out` path.
+
+Rank 0 also reads its host's CPU counters (/proc/stat) around every timed call: a row's
+`cpu_busy` is the share of the host's CPUs that were busy during that implementation's timed
+calls (None if they all fit in one clock tick, 10 ms). Emulated ranks all run on one host, so
+near 1 it says that the times measure the CPUs (the ranks and the kernel's shaping) more than the
+links.
 """
 
 from __future__ import annotations
@@ -136,6 +142,20 @@ def _picked(group, case: Case) -> str | None:
     return group.choices.get(call_class(case.op, tensor, case.root))
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all of this host's CPUs since boot, from /proc/stat's first line
+    (idle and iowait count as not busy); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
 def main(config_path: str) -> None:
     with open(config_path) as f:
         cfg = json.load(f)
@@ -177,6 +197,7 @@ def main(config_path: str) -> None:
         names = list(impls)
         times = torch.zeros(len(names), iters, dtype=torch.float64)
         wrong = torch.zeros(len(names), dtype=torch.float64)
+        cpu = [[0, 0] for _ in names]  # busy and total ticks during each impl's timed calls
         for i, name in enumerate(names):
             for _ in range(2 * AUTO_TRIALS if name == "auto" else 1):
                 case.reset()
@@ -187,9 +208,13 @@ def main(config_path: str) -> None:
                 i = (j + rep) % len(names)
                 case.reset()
                 dist.barrier()
-                start = time.perf_counter()
+                before, start = cpu_ticks(), time.perf_counter()
                 case.run(impls[names[i]])
                 times[i, rep] = time.perf_counter() - start
+                after = cpu_ticks()
+                if before is not None and after is not None:
+                    cpu[i][0] += after[0] - before[0]
+                    cpu[i][1] += after[1] - before[1]
                 dist.barrier()  # a rank that finished early must not check while others still run
                 wrong[i] += case.wrong()
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
@@ -204,6 +229,7 @@ def main(config_path: str) -> None:
                 "wrong": int(wrong[i]),
                 "num_trees": len(packing.trees) if packing else None,
                 "packing_rate": packing.rate if packing else None,
+                "cpu_busy": cpu[i][0] / cpu[i][1] if cpu[i][1] else None,
                 **({"picked": picked} if name == "auto" else {}),
             })  # fmt: skip
     if rank == 0:
