@@ -16,7 +16,7 @@ from local_group import LocalGroup, run_ranks
 from shardshift.collectives.checker import check_schedule
 from shardshift.collectives.bounds import collective_bound
 from shardshift.collectives.emulate_topology import auto_scale, emulation_rates, scaled
-from shardshift.collectives.exec_plan import SendOp, chunks_per_tree, compile_plan
+from shardshift.collectives.exec_plan import MIN_CHUNK_BYTES, SendOp, chunks_per_tree, compile_plan
 from shardshift.collectives.executor import CollectiveError, ExecMode, _Dataflow
 from shardshift.collectives.ops import Collective
 from shardshift.collectives.packing import pack
@@ -134,9 +134,24 @@ def test_chunks_per_tree_bounds():
     # Many trees (all-reduce packings take 28 on hetero4): the total cap keeps messages in check.
     assert chunks_per_tree(64 << 20, 28) == 256 // 28
     assert chunks_per_tree(16 << 20, 28) == (16 << 20) // (28 * (128 << 10))  # the byte floor binds
+    # The floor is per tree: an all-reduce piece's chunk crosses its IN and its OUT tree.
+    assert chunks_per_tree(16 << 20, 11, trees_per_piece=2) == (16 << 20) // (22 * (128 << 10))
+    assert chunks_per_tree(64 << 20, 11, trees_per_piece=2) == 256 // 11  # the cap is per piece
     assert chunks_per_tree(64 << 20, 4, seconds=0.001) == 1
     with pytest.raises(ValueError, match="must be > 0"):
         chunks_per_tree(1, 0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        chunks_per_tree(1, 1, trees_per_piece=0)
+
+
+def test_plans_put_the_chunk_floor_on_every_tree_a_chunk_crosses():
+    topology = load_topology(DOCS / "topologies" / "hetero4.yaml")
+    trees = TreeCollectives(LocalGroup.world(4)[0], topology, RunOptions(verify_plans=False))
+    count = 4 << 20  # 16 MiB of float32: the byte floor binds for both ops
+    for op in (Collective.BROADCAST, Collective.ALLREDUCE):
+        packing = trees.packing(op)
+        plan = trees.plan(op, count, 4)
+        assert plan.chunks_per_tree == (count * 4) // (len(packing.trees) * MIN_CHUNK_BYTES), op
 
 
 # ---- execution on an in-process group -------------------------------------------------------

@@ -69,7 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--iters", type=int, default=3, help="timed rounds per size (median reported)")
     p.add_argument("--impls", default=",".join(_IMPLS), help="comma list of gloo, ring, trees, auto")
     p.add_argument("--mode", default=None, choices=["dataflow", "stepped"], help="tree executor mode")
-    p.add_argument("--min-chunk-bytes", type=int, default=MIN_CHUNK_BYTES, help="pipeline chunk floor")
+    p.add_argument("--min-chunk-bytes", type=int, default=MIN_CHUNK_BYTES, help="pipeline chunk floor, per tree a chunk crosses (an all-reduce chunk crosses two)")
     p.add_argument("--max-chunks", type=int, default=MAX_CHUNKS_PER_TREE, help="pipeline chunks per tree, at most")
     p.add_argument("--max-total-chunks", type=int, default=MAX_CHUNKS_TOTAL,
                    help="pipeline chunks over all trees together, at most")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from shardshift.collectives.ops import Collective, TransferKind
 from shardshift.collectives.schedule import Schedule, element_ranges
 
-MIN_CHUNK_BYTES = 128 * 1024  # below this, per-message overhead outweighs pipelining
+MIN_CHUNK_BYTES = 128 * 1024  # per tree: below this, per-message overhead outweighs pipelining
 MAX_CHUNKS_PER_TREE = 64  # REFERENCE.md §5: 64 chunks were enough (256 gained 1%)
 MAX_CHUNKS_TOTAL = 256  # chunks of all pieces together: each one is a message per hop (CPU)
 CHUNK_SECONDS = 0.002  # target time of one chunk on its links (see chunks_per_tree)
@@ -120,23 +120,27 @@ class ExecutionPlan:
                 self.ranges, self.num_trees)  # fmt: skip
 
 
-def chunks_per_tree(nbytes: int, num_pieces: int, *, seconds: float | None = None,
+def chunks_per_tree(nbytes: int, num_pieces: int, *, trees_per_piece: int = 1, seconds: float | None = None,
                     chunk_seconds: float = CHUNK_SECONDS, min_chunk_bytes: int = MIN_CHUNK_BYTES,
                     max_chunks: int = MAX_CHUNKS_PER_TREE, max_total: int = MAX_CHUNKS_TOTAL) -> int:
-    """Pipeline depth for a buffer of `nbytes` split into `num_pieces` pieces.
+    """Pipeline depth for a buffer of `nbytes` split into `num_pieces` pieces, each of which
+    crosses `trees_per_piece` trees (2 for all-reduce: its IN and its OUT tree).
 
     With the packing's rate R, a collective takes about `seconds` = nbytes / R and every chunk of
     every tree takes seconds / k on its links (chunks are sized by tree weight). A pipeline of
     depth-d trees loses about d - 1 chunk times to filling and draining, while each message costs
     a fixed hand-off (about 2 ms per hop measured on the 2-core test machine, loopback or
-    emulated). So k aims at chunks of `chunk_seconds`, never below `min_chunk_bytes` per chunk on
-    average, never above `max_chunks` per piece nor `max_total` over all pieces (packings of many
-    trees, as all-reduce's, would otherwise send more messages than the CPUs can hand off);
-    without `seconds`, only the byte floor and the caps apply."""
-    if num_pieces < 1 or min_chunk_bytes < 1 or max_chunks < 1 or max_total < 1 or chunk_seconds <= 0:
-        raise ValueError(f"num_pieces={num_pieces}, min_chunk_bytes={min_chunk_bytes}, max_chunks={max_chunks}, "
+    emulated) and CPU. So k aims at chunks of `chunk_seconds`, never below `min_chunk_bytes` per
+    chunk and tree on average, never above `max_chunks` per piece nor `max_total` over all pieces
+    (packings of many trees, as all-reduce's, would otherwise send more messages than the CPUs can
+    hand off); without `seconds`, only the byte floor and the caps apply. The floor counts trees
+    because every tree hop of a chunk is a message: an all-reduce chunk crosses two trees, so its
+    floor is twice a broadcast's, and both send about the same messages per byte."""
+    if min(num_pieces, trees_per_piece, min_chunk_bytes, max_chunks, max_total) < 1 or chunk_seconds <= 0:
+        raise ValueError(f"num_pieces={num_pieces}, trees_per_piece={trees_per_piece}, "
+                         f"min_chunk_bytes={min_chunk_bytes}, max_chunks={max_chunks}, "
                          f"max_total={max_total}, chunk_seconds={chunk_seconds}: all must be > 0")  # fmt: skip
-    k = min(nbytes // (num_pieces * min_chunk_bytes), max_total // num_pieces)
+    k = min(nbytes // (num_pieces * trees_per_piece * min_chunk_bytes), max_total // num_pieces)
     if seconds is not None:
         k = min(k, round(seconds / chunk_seconds))
     return max(1, min(max_chunks, k))

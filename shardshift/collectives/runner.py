@@ -62,7 +62,7 @@ class RunOptions:
     mode: ExecMode | None = None  # None: DATAFLOW for CPU tensors, STEPPED otherwise
     timeout_s: float = 300.0  # bound on one collective, every wait included
     window: int = 4  # DATAFLOW: messages posted ahead per peer and direction
-    min_chunk_bytes: int = MIN_CHUNK_BYTES  # pipeline chunks are at least this large...
+    min_chunk_bytes: int = MIN_CHUNK_BYTES  # pipeline chunks are at least this large per tree...
     max_chunks_per_tree: int = MAX_CHUNKS_PER_TREE  # ...and at most this many per tree...
     max_chunks_total: int = MAX_CHUNKS_TOTAL  # ...and over all trees together
     chunk_seconds: float = CHUNK_SECONDS  # aimed time of one pipeline chunk at the packing's rate
@@ -121,7 +121,9 @@ class TreeCollectives:
         if plan is None:
             packing = self.packing(op, key[1])
             nbytes = count * itemsize
-            k = chunks_per_tree(nbytes, len(packing.pieces()), seconds=nbytes / packing.rate,
+            pieces = len(packing.pieces())
+            k = chunks_per_tree(nbytes, pieces, trees_per_piece=len(packing.trees) // pieces,
+                                seconds=nbytes / packing.rate,
                                 chunk_seconds=self.options.chunk_seconds,
                                 min_chunk_bytes=self.options.min_chunk_bytes,
                                 max_chunks=self.options.max_chunks_per_tree,
