@@ -64,7 +64,7 @@ class RunOptions:
     window: int = 4  # DATAFLOW: messages posted ahead per peer and direction
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # pipeline chunks are at least this large per tree...
     max_chunks_per_tree: int = MAX_CHUNKS_PER_TREE  # ...and at most this many per tree...
-    max_chunks_total: int = MAX_CHUNKS_TOTAL  # ...and over all trees together
+    max_chunks_total: int = MAX_CHUNKS_TOTAL  # ...and over all pieces together
     chunk_seconds: float = CHUNK_SECONDS  # aimed time of one pipeline chunk at the packing's rate
     pack_options: PackOptions = field(default_factory=PackOptions)
     verify_plans: bool = True  # compare a digest of every new plan across ranks
