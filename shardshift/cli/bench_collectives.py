@@ -69,13 +69,14 @@ def register(subparsers) -> None:
     p.add_argument("--iters", type=int, default=3, help="timed rounds per size (median reported)")
     p.add_argument("--impls", default=",".join(_IMPLS), help="comma list of gloo, ring, trees, auto")
     p.add_argument("--mode", default=None, choices=["dataflow", "stepped"], help="tree executor mode")
-    p.add_argument("--min-chunk-bytes", type=int, default=MIN_CHUNK_BYTES, help="pipeline chunk floor, per tree a chunk crosses (an all-reduce chunk crosses two)")
+    p.add_argument("--min-chunk-bytes", type=int, default=MIN_CHUNK_BYTES,
+                   help="pipeline chunk floor, per tree a chunk crosses (an all-reduce chunk crosses two)")
     p.add_argument("--max-chunks", type=int, default=MAX_CHUNKS_PER_TREE, help="pipeline chunks per tree, at most")
     p.add_argument("--max-total-chunks", type=int, default=MAX_CHUNKS_TOTAL,
-                   help="pipeline chunks over all trees together, at most")
+                   help="pipeline chunks over all pieces together, at most (an all-reduce piece is a tree pair)")
     p.add_argument("--chunk-seconds", type=float, default=CHUNK_SECONDS,
                    help="aimed time of one pipeline chunk at the packing's rate")
-    p.add_argument("--window", type=int, default=4, help="messages posted ahead per peer")
+    p.add_argument("--window", type=int, default=4, help="messages posted ahead per queue (peer, tree, direction)")
     p.add_argument("--keep", type=float, default=0.995,
                    help="packing: cut trees while keeping >= this fraction of the solved rate")
     p.add_argument("--max-trees", type=int, default=None, help="packing: at most this many trees")

@@ -61,7 +61,7 @@ class RunOptions:
 
     mode: ExecMode | None = None  # None: DATAFLOW for CPU tensors, STEPPED otherwise
     timeout_s: float = 300.0  # bound on one collective, every wait included
-    window: int = 4  # DATAFLOW: messages posted ahead per peer and direction
+    window: int = 4  # DATAFLOW: messages posted ahead per queue (peer, tree, direction)
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # pipeline chunks are at least this large per tree...
     max_chunks_per_tree: int = MAX_CHUNKS_PER_TREE  # ...and at most this many per tree...
     max_chunks_total: int = MAX_CHUNKS_TOTAL  # ...and over all pieces together
