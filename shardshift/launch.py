@@ -1,16 +1,26 @@
-"""Start N local worker processes, relay their output, and stop them all when one fails.
+"""Start one process per rank, watch them, and stop them all when one fails or time runs out.
 
-Each worker runs ``python -m shardshift <the same arguments>`` with ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK`` and ``SHARDSHIFT_STORE`` (a file store in a fresh temporary directory: no port is
-ever chosen) in its environment. Rank 0's standard output is passed through; every worker's
-standard error is passed through prefixed with its rank. When a worker exits with an error the
-others are stopped at once and the failing worker's last lines are repeated, so the cause is the
-last thing printed.
+Every multi-process command starts its ranks here: `shardshift train`, the benchmarks, and the
+link emulation's `run` (whose ranks start inside network namespaces: it passes its own `spawn`).
+
+- `start_ranks(nproc, argv, store)` starts ``argv`` once per rank with ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``SHARDSHIFT_STORE`` (a file-store path: no port is
+  ever chosen) in its environment. Each rank leads a session of its own, so stopping it stops
+  whatever it started too.
+- `supervise(procs, timeout_s)` waits: when a rank exits with an error the others are stopped at
+  once, and past `timeout_s` all are.
+- `stop(procs)` sends SIGTERM to each rank's process group, SIGKILL after a grace period, and
+  reaps them.
+- `launch(nproc, argv)` runs ``python -m shardshift <argv>`` as a job: rank 0's standard output
+  is passed through, every rank's standard error is passed through prefixed with its rank, and
+  when a rank fails its last lines are repeated, so the cause is the last thing printed. SIGINT
+  and SIGTERM stop the ranks before the launcher exits.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,10 +28,100 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 
-from shardshift.runtime import STORE_ENV
+STORE_ENV = "SHARDSHIFT_STORE"
+GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
+TIMEOUT_EXIT = 124  # exit status of a job stopped for running past its time, as timeout(1) uses
 
-_GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping workers
+Spawn = Callable[..., subprocess.Popen]
+"""``spawn(rank, argv, env, **popen_kwargs)``: start one rank's process in a session of its own."""
+
+
+def local_spawn(rank: int, argv: Sequence[str], env: Mapping[str, str], **popen_kwargs) -> subprocess.Popen:
+    """Start a rank on this machine, as a session leader (see the module docstring)."""
+    del rank  # every rank starts alike here; an emulated network places each in its namespace
+    return subprocess.Popen(list(argv), env=dict(env), start_new_session=True, **popen_kwargs)
+
+
+def rank_env(rank: int, nproc: int, store: str) -> dict[str, str]:
+    """What a rank reads to join its job's process group (`shardshift.runtime`)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: store}  # fmt: skip
+
+
+def start_ranks(nproc: int, argv: Sequence[str], store: str, *, env: Mapping[str, str] | None = None,
+                spawn: Spawn = local_spawn, per_rank: Callable[[int], Mapping] | None = None,
+                **popen_kwargs) -> list[subprocess.Popen]:
+    """Start `argv` as ranks 0..nproc-1 of one job meeting at the file store `store` (a path that
+    must not exist yet). `env` is added to every rank's environment; `per_rank(rank)` gives
+    Popen arguments of one rank over `popen_kwargs`. If starting is interrupted (an error, a
+    signal whose handler raises), the ranks already started are stopped."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(nproc):
+            full_env = {**os.environ, **(env or {}), **rank_env(rank, nproc, store)}
+            kwargs = {**popen_kwargs, **(per_rank(rank) if per_rank else {})}
+            procs.append(spawn(rank, argv, full_env, **kwargs))
+    except BaseException:
+        stop(procs)
+        raise
+    return procs
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a job ended."""
+
+    codes: tuple[int | None, ...]  # exit status per rank as it was when the job ended (None: running)
+    failed: int | None  # the first rank that exited with an error, if one did
+    timed_out: bool  # stopped for running past its time
+
+    @property
+    def status(self) -> int:
+        """The job's exit status: 0, the failing rank's code (128 + signal if a signal killed it),
+        or `TIMEOUT_EXIT`."""
+        if self.timed_out:
+            return TIMEOUT_EXIT
+        if self.failed is None:
+            return 0
+        code = self.codes[self.failed]
+        return code if code > 0 else 128 - code
+
+    @property
+    def running(self) -> list[int]:
+        return [rank for rank, code in enumerate(self.codes) if code is None]
+
+
+def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None, grace_s: float = GRACE_S) -> Outcome:
+    """Wait until every rank has exited; stop them all as soon as one fails or `timeout_s` passes."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        codes = tuple(proc.poll() for proc in procs)
+        failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+        timed_out = deadline is not None and time.monotonic() > deadline and None in codes
+        if failed is not None or timed_out or None not in codes:
+            if None in codes:
+                stop(procs, grace_s)
+            return Outcome(codes, failed, timed_out and failed is None)
+        time.sleep(0.05)
+
+
+def stop(procs: Sequence[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after `grace_s`; reap them all."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [proc for proc in procs if proc.poll() is None]
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _relay(stream, rank: int, tail: collections.deque) -> None:
@@ -32,76 +132,41 @@ def _relay(stream, rank: int, tail: collections.deque) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + _GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def launch(nproc: int, argv: list[str], extra_env: dict[str, str] | None = None) -> int:
-    """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0, or the first failure's code."""
+def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, spawn: Spawn = local_spawn,
+           timeout_s: float | None = None) -> int:
+    """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status."""
     with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp:
-        base_env = dict(os.environ, **(extra_env or {}))
-        base_env[STORE_ENV] = os.path.join(tmp, "store")
-        base_env["WORLD_SIZE"] = base_env["LOCAL_WORLD_SIZE"] = str(nproc)
-        procs, tails, relays = [], [], []
+        procs: list[subprocess.Popen] = []
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def on_signal(signum, _frame):
-            _stop(procs)
+            stop(procs)
             raise SystemExit(128 + signum)
 
         for sig in previous:
             signal.signal(sig, on_signal)
         try:
-            for rank in range(nproc):
-                env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "shardshift", *argv],
-                    env=env,
-                    stdout=None if rank == 0 else subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                )
-                tail: collections.deque = collections.deque(maxlen=20)
-                relay = threading.Thread(target=_relay, args=(proc.stderr, rank, tail), daemon=True)
+            procs += start_ranks(nproc, [sys.executable, "-m", "shardshift", *argv], os.path.join(tmp, "store"),
+                                 env=env, spawn=spawn, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                 per_rank=lambda rank: {"stdout": None if rank == 0 else subprocess.DEVNULL})
+            tails = [collections.deque(maxlen=20) for _ in range(nproc)]
+            relays = [threading.Thread(target=_relay, args=(proc.stderr, rank, tails[rank]), daemon=True)
+                      for rank, proc in enumerate(procs)]
+            for relay in relays:
                 relay.start()
-                procs.append(proc)
-                tails.append(tail)
-                relays.append(relay)
-            return _supervise(procs, tails, relays)
+            outcome = supervise(procs, timeout_s)
+            for relay in relays:
+                relay.join(timeout=1.0)
+            if outcome.timed_out:
+                print(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them",
+                      file=sys.stderr, flush=True)
+            elif outcome.failed is not None:
+                lines = "\n".join(f"  {line}" for line in tails[outcome.failed])
+                print(f"shardshift: worker rank {outcome.failed} exited with code {outcome.codes[outcome.failed]}; "
+                      f"stopped the other workers. Its last output:\n{lines}", file=sys.stderr, flush=True)
+            return outcome.status
         finally:
-            _stop(procs)
+            stop(procs)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-
-def _supervise(procs, tails, relays) -> int:
-    while True:
-        codes = [proc.poll() for proc in procs]
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            rank = failed[0]
-            _stop(procs)
-            for relay in relays:
-                relay.join(timeout=1.0)
-            lines = "\n".join(f"  {line}" for line in tails[rank])
-            print(
-                f"shardshift: worker rank {rank} exited with code {codes[rank]}; "
-                f"stopped the other workers. Its last output:\n{lines}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return codes[rank] if codes[rank] > 0 else 1
-        if all(code == 0 for code in codes):
-            for relay in relays:
-                relay.join(timeout=1.0)
-            return 0
-        time.sleep(0.05)

@@ -1,10 +1,11 @@
 """Joining the job's default process group, from the environment a launcher set.
 
-Two launchers are understood: ShardShift's own (``shardshift train --nproc N``), which sets
-``SHARDSHIFT_STORE`` to a file-store path, and ``torchrun``, which sets ``MASTER_ADDR`` and
-``MASTER_PORT``. Both set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. CUDA devices get NCCL; CPUs
-get gloo. Every collective of the group times out after `timeout_s`, so a lost peer fails a run
-instead of hanging it.
+Two launchers are understood: ShardShift's own (`shardshift.launch`: ``shardshift train --nproc
+N``, the benchmarks, link emulation), which sets ``SHARDSHIFT_STORE`` to a file-store path, and
+``torchrun``, which sets ``MASTER_ADDR`` and ``MASTER_PORT``. Both set ``RANK``, ``WORLD_SIZE``
+and ``LOCAL_RANK``. CUDA devices get NCCL; CPUs get gloo (or the backend asked for). Every
+collective of the group times out after `timeout_s`, so a lost peer fails a run instead of
+hanging it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-STORE_ENV = "SHARDSHIFT_STORE"
+from shardshift.launch import STORE_ENV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,10 @@ def in_worker() -> bool:
 
 
 def process_from_env() -> Process:
+    missing = [key for key in ("RANK", "WORLD_SIZE") if key not in os.environ]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not set: start this process with shardshift's launcher "
+                           "(shardshift.launch), an emulated network's launch, or torchrun")
     world_size = int(os.environ["WORLD_SIZE"])
     return Process(
         rank=int(os.environ["RANK"]),
@@ -46,16 +51,20 @@ def process_from_env() -> Process:
     )
 
 
-def init_distributed(timeout_s: float) -> Process:
+def init_distributed(timeout_s: float, backend: str | None = None) -> Process:
+    """Join the default process group of the job this process is a rank of.
+
+    `backend`: None picks NCCL on CUDA machines and gloo elsewhere; any registered name is taken
+    as it is ("shardshift": call `shardshift.collectives.register_backend()` first).
+    """
     proc = process_from_env()
     # Share the cores among the local ranks instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // proc.local_world_size))
     timeout = datetime.timedelta(seconds=timeout_s)
     if proc.device_type == "cuda":
         torch.cuda.set_device(proc.local_rank)
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    if backend is None:
+        backend = "nccl" if proc.device_type == "cuda" else "gloo"
     store_path = os.environ.get(STORE_ENV)
     if store_path:
         store = dist.FileStore(store_path, proc.world_size)

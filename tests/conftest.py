@@ -1,7 +1,28 @@
-"""Shared pytest fixtures."""
+"""Markers, time budgets and fixtures shared by every test.
 
-from emulation_fixture import emulated_network, require_netns  # noqa: F401
+The folder a test lives in says what it starts, and its marker follows from it:
 
+- ``tests/unit``: nothing but the test process (threads at most);
+- ``tests/dist``: real processes joined in gloo groups, or `shardshift` commands (``multiproc``);
+- ``tests/netns``: processes in emulated networks, which need root (``netns`` and ``multiproc``).
+
+Budgets. pytest-timeout stops a test after its limit (`timeout` in pyproject.toml, or a test's
+own ``@pytest.mark.timeout(S)``). A test that starts processes takes its deadline from the
+`budget` fixture, which is that limit less `MARGIN_S`: the harness then fails first, with its own
+message, and kills what it started, instead of being cut off with processes left behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.netns import emulated_network, require_netns  # noqa: F401  (fixtures)
+
+MARGIN_S = 30.0
+_MARKERS = {"dist": ("multiproc",), "netns": ("multiproc", "netns")}
+_TESTS = Path(__file__).resolve().parent
 
 # Hypothesis: no per-example deadline (two shared cores make timings noisy), a fixed example count.
 try:
@@ -11,3 +32,22 @@ try:
     _settings.load_profile("shardshift")
 except ImportError:  # only tests that use hypothesis need it; they import it themselves
     pass
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        folder = Path(item.fspath).resolve().relative_to(_TESTS).parts[0]
+        for name in _MARKERS.get(folder, ()):
+            item.add_marker(name)
+
+
+def time_limit(node, config) -> float:
+    """The pytest-timeout limit of a test, in seconds."""
+    marker = node.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker is not None else float(config.getini("timeout"))
+
+
+@pytest.fixture
+def budget(request) -> float:
+    """Seconds a test may give the processes it starts (its time limit less `MARGIN_S`)."""
+    return time_limit(request.node, request.config) - MARGIN_S

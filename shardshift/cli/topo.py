@@ -12,7 +12,7 @@ import json
 import math
 import sys
 
-from shardshift.collectives.ops import Collective
+from shardshift.collectives.planning.ops import Collective
 
 
 def register(subparsers) -> None:
@@ -53,8 +53,8 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
 
 def topology_from_args(args: argparse.Namespace):
     """The topology named on the command line; ValueError says what is missing or wrong."""
-    from shardshift.collectives.presets import preset
-    from shardshift.collectives.topology_io import load_topology, parse_rate
+    from shardshift.collectives.topology.io import load_topology, parse_rate
+    from shardshift.collectives.topology.presets import preset
 
     if (args.preset is None) == (args.topology is None):
         raise ValueError("give exactly one of --preset NAME or --topology FILE")
@@ -119,7 +119,7 @@ def packing_summary(packing, link_unit: float | None) -> dict:
 
 
 def run_pack(args: argparse.Namespace) -> int:
-    from shardshift.collectives.packing import Method, PackOptions, describe, pack
+    from shardshift.collectives.planning.packing import Method, PackOptions, describe, pack
 
     try:
         topology = topology_from_args(args)
@@ -137,7 +137,7 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from shardshift.collectives.topology import pair_rates
+    from shardshift.collectives.topology.model import pair_rates
 
     try:
         topology = topology_from_args(args)

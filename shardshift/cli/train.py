@@ -8,7 +8,6 @@ import sys
 from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env
 
-
 DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)
 # The default run (no --layout, no --switch) shows online switching: a pipeline from 40% of the
 # steps, plain FSDP from 70%.
@@ -70,8 +69,8 @@ def _switches(args: argparse.Namespace) -> tuple[tuple[int, Layout], ...]:
 
 def config_from_args(args: argparse.Namespace, layout: Layout):
     """Build and validate the run's configuration; raises ValueError with what to change."""
-    from shardshift.reshard.schedule import parse_size
     from shardshift.train.config import OptimConfig, TrainConfig, model_config
+    from shardshift.units import parse_size
 
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, grad_clip=args.grad_clip)
     return TrainConfig(
@@ -92,8 +91,38 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         metrics=args.metrics,
         log_every=args.log_every,
         switches=_switches(args),
-        switch_budget=parse_size(args.switch_budget),
+        switch_budget=parse_size(args.switch_budget, "--switch-budget"),
     )
+
+
+def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
+    """The `shardshift train` arguments whose configuration is `cfg` (`config_from_args` inverted),
+    for jobs that start a training run of their own (the restart baseline of `bench switch`).
+
+    Raises ValueError for a configuration the command line cannot express (a model or optimizer
+    setting that has no flag)."""
+    from shardshift.train.config import OptimConfig, model_config
+
+    optim = OptimConfig(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, grad_clip=cfg.optim.grad_clip)
+    if cfg.optim != optim or model_config(cfg.model_name) != cfg.model:
+        raise ValueError(f"the configuration has settings no flag of `shardshift train` sets: {cfg.optim}, "
+                         f"{cfg.model} as {cfg.model_name!r}")
+    argv = ["train", "--nproc", str(nproc), "--layout", str(cfg.layout), "--model", cfg.model_name,
+            "--steps", str(cfg.steps), "--stop-at", str(cfg.stop_at), "--seed", str(cfg.seed), "--dtype", cfg.dtype,
+            "--global-batch", str(cfg.global_batch), "--lr", repr(cfg.optim.lr), "--warmup",
+            str(cfg.optim.warmup_steps), "--grad-clip", repr(cfg.optim.grad_clip), "--log-every", str(cfg.log_every),
+            "--switch-budget", str(cfg.switch_budget), "--timeout", repr(timeout_s)]
+    if not cfg.auto_micro_batches:
+        argv += ["--micro-batches", str(cfg.micro_batches)]
+    for flag, value in (("--data", cfg.data), ("--save", cfg.save), ("--resume", cfg.resume),
+                        ("--metrics", cfg.metrics)):
+        if value is not None:
+            argv += [flag, value]
+    if cfg.save_every:
+        argv += ["--save-every", str(cfg.save_every)]
+    for step, layout in cfg.switches:
+        argv += ["--switch", f"{step}:{layout}"]
+    return argv
 
 
 def _check_before_launch(cfg) -> None:

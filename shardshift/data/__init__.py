@@ -1,0 +1,1 @@
+"""Data shipped with the package: the default training text (README.md says what it is)."""

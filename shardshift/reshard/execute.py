@@ -1,4 +1,4 @@
-"""Run a switch `Schedule` on this process: pack, send, receive, copy, free.
+"""Run a switch `SwitchSchedule` on this process: pack, send, receive, copy, free.
 
 The executor knows the state only through two small interfaces, so it serves any state space:
 
@@ -7,13 +7,17 @@ The executor knows the state only through two small interfaces, so it serves any
 - a `Sink` allocates the new local piece (``shape == new box sizes``) when the schedule first
   writes it.
 
-Every process walks the same rounds (see `schedule.py` for why this cannot deadlock). Within a
-round, local copies run while messages are in flight. Large segments are sent from, and received
-into, the state tensors themselves wherever their slice is contiguous: no packing copy.
+Every process walks the same rounds (see `schedule.py` for why this cannot deadlock), posting each
+round's messages through the `Transport` of whatever group it is given (`shardshift.comm`: the
+job's world, a group spanning an old and a new world, or the tests' in-process group), every wait
+bounded by one deadline. Within a round, local copies run while messages are in flight. Large
+segments are sent from, and received into, the state tensors themselves wherever their slice is
+contiguous: no packing copy. A transfer that fails or times out raises `TransferError` naming the
+round and the peer.
 
 `compile_program` turns the schedule into what one process does, round by round, with every slice
 and offset worked out; it is pure and runs when the switch is prepared, so that the switch itself
-only copies and communicates. `execute` runs it, keeping an account of the bytes of state and
+only copies and communicates. `run_program` runs it, keeping an account of the bytes of state and
 buffers the process holds as it goes, and reports its peak: the figure that the budget bounds (on
 CUDA the caching allocator's own peak is reported alongside).
 """
@@ -25,10 +29,10 @@ import time
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
+from shardshift.comm.p2p import Deadline, PeerOp, Transport
 from shardshift.reshard.plan import TransitionPlan
-from shardshift.reshard.schedule import Message, Schedule
+from shardshift.reshard.schedule import Message, SwitchSchedule
 
 
 class Source(Protocol):
@@ -57,7 +61,7 @@ class Part:
 
 
 @dataclasses.dataclass(frozen=True)
-class Transfer:
+class MessageEnd:
     """A message as one end of it sees it."""
 
     peer: int
@@ -74,36 +78,36 @@ class Copy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
+class RoundWork:
     """One round, as one process runs it."""
 
     opens: tuple[tuple[int, int, tuple[int, ...]], ...]  # (tensor, bytes, shape): new pieces, first
-    sends: tuple[Transfer, ...]
-    recvs: tuple[Transfer, ...]
+    sends: tuple[MessageEnd, ...]
+    recvs: tuple[MessageEnd, ...]
     copies: tuple[Copy, ...]
     closes: tuple[tuple[int, int], ...]  # (tensor, bytes): old pieces freed last
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
+class SwitchProgram:
     """Everything one process does in a switch (`compile_program`)."""
 
     rank: int
-    steps: tuple[Step, ...]
+    rounds: tuple[RoundWork, ...]
     idle_opens: tuple[int, ...]  # new pieces no segment writes (empty shards): allocated at the end
     idle_closes: tuple[int, ...]  # old pieces no segment reads: freed at the end
     old_bytes: int
     new_bytes: int
 
 
-def compile_program(schedule: Schedule, rank: int) -> Program:
+def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
     """What `rank` does in each round of `schedule`, every slice and offset computed."""
     plan = schedule.plan
     opens, closes = schedule.lifetimes(rank)  # the same account the schedule was built to
-    steps = []
+    rounds = []
     for index in range(len(schedule.rounds)):
         sends, recvs, local = schedule.messages(index, rank)
-        steps.append(Step(
+        rounds.append(RoundWork(
             opens=tuple((t, plan.piece_bytes(plan.new_boxes, rank, t), plan.new_boxes[rank][t].sizes)
                         for t in opens.get(index, ())),
             sends=tuple(_transfer(plan, m, m.dst, plan.old_boxes[rank]) for m in sends),
@@ -117,9 +121,9 @@ def compile_program(schedule: Schedule, rank: int) -> Program:
         ))
     spans = schedule.tensor_rounds
     idle = [t for t in range(len(plan.tensors)) if t not in spans]
-    return Program(
+    return SwitchProgram(
         rank=rank,
-        steps=tuple(steps),
+        rounds=tuple(rounds),
         idle_opens=tuple(t for t in idle if plan.new_boxes[rank][t] is not None),
         idle_closes=tuple(t for t in idle if plan.old_boxes[rank][t] is not None),
         old_bytes=plan.held_bytes(plan.old_boxes, rank),
@@ -127,13 +131,13 @@ def compile_program(schedule: Schedule, rank: int) -> Program:
     )
 
 
-def _transfer(plan: TransitionPlan, message: Message, peer: int, boxes) -> Transfer:
+def _transfer(plan: TransitionPlan, message: Message, peer: int, boxes) -> MessageEnd:
     parts = []
     for seg, offset in zip(message.segments, message.offsets):
         tensor = plan.tensors[seg.tensor]
         parts.append(Part(seg.tensor, seg.box.relative_to(boxes[seg.tensor]), offset,
                           plan.segment_bytes(seg), tensor.dtype, seg.box.sizes))
-    return Transfer(peer, message.nbytes, message.direct, tuple(parts))
+    return MessageEnd(peer, message.nbytes, message.direct, tuple(parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +165,15 @@ class _Account:
 
 
 @torch.no_grad()
-def execute(program: Program, source: Source, sink: Sink, device: torch.device) -> ExecStats:
-    """Run this process's part of a switch (a collective: every process of the plan runs its own)."""
+def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: Transport, deadline: Deadline,
+                device: torch.device) -> ExecStats:
+    """Run this process's part of a switch (a collective: every process of the plan runs its own,
+    on the same group), every transfer done by `deadline`."""
     start = time.perf_counter()
     account = _Account(program.old_bytes)
     new_local: dict[int, torch.Tensor] = {}
     sent = received = copied = 0
-    for index, step in enumerate(program.steps):
+    for index, step in enumerate(program.rounds):
         for tensor, nbytes, shape in step.opens:
             new_local[tensor] = sink.open(tensor)
             assert tuple(new_local[tensor].shape) == shape, (tensor, tuple(new_local[tensor].shape), shape)
@@ -176,13 +182,16 @@ def execute(program: Program, source: Source, sink: Sink, device: torch.device) 
         inbox = [_incoming(m, new_local, device) for m in step.recvs]
         in_flight = sum(t.numel() * t.element_size() for t, fresh in outbox + inbox if fresh)
         account.add(in_flight)
-        works = _post(step.sends, [t for t, _ in outbox], step.recvs, [t for t, _ in inbox], tag=index, device=device)
+        posted = transport.post_round(
+            [PeerOp(m.peer, buf, index) for m, (buf, _) in zip(step.sends, outbox)],
+            [PeerOp(m.peer, buf, index) for m, (buf, _) in zip(step.recvs, inbox)],
+            f"switch round {index + 1} of {len(program.rounds)}",
+        )
         for c in step.copies:  # overlaps the messages in flight
             target = new_local[c.tensor][c.new]
             target.copy_(source.local(c.tensor)[c.old])
             copied += target.numel() * target.element_size()
-        for work in works:
-            work.wait()
+        posted.wait(deadline)
         for message, (buf, fresh) in zip(step.recvs, inbox):
             if fresh:
                 _unpack(message, buf, new_local)
@@ -199,7 +208,7 @@ def execute(program: Program, source: Source, sink: Sink, device: torch.device) 
         source.release(tensor)
     return ExecStats(
         seconds=time.perf_counter() - start,
-        rounds=len(program.steps),
+        rounds=len(program.rounds),
         bytes_sent=sent,
         bytes_received=received,
         bytes_copied=copied,
@@ -213,7 +222,7 @@ def _packed_view(buf: torch.Tensor, part: Part) -> torch.Tensor:
     return buf[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape)
 
 
-def _outgoing(message: Transfer, source: Source, device: torch.device) -> tuple[torch.Tensor, bool]:
+def _outgoing(message: MessageEnd, source: Source, device: torch.device) -> tuple[torch.Tensor, bool]:
     """What to send for `message`, and whether it is a new buffer (else a view of the old piece)."""
     if message.direct:
         part = message.parts[0]
@@ -227,7 +236,7 @@ def _outgoing(message: Transfer, source: Source, device: torch.device) -> tuple[
     return buf, True
 
 
-def _incoming(message: Transfer, new_local: dict[int, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
+def _incoming(message: MessageEnd, new_local: dict[int, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
     """Where to receive `message`, and whether it is a new buffer (else the new piece itself)."""
     if message.direct:
         part = message.parts[0]
@@ -238,18 +247,7 @@ def _incoming(message: Transfer, new_local: dict[int, torch.Tensor], device: tor
     return torch.empty(message.nbytes, dtype=torch.uint8, device=device), True
 
 
-def _unpack(message: Transfer, buf: torch.Tensor, new_local: dict[int, torch.Tensor]) -> None:
+def _unpack(message: MessageEnd, buf: torch.Tensor, new_local: dict[int, torch.Tensor]) -> None:
     for part in message.parts:
         target = new_local[part.tensor][part.where]
         target.copy_(buf if message.direct else _packed_view(buf, part))
-
-
-def _post(sends, send_bufs, recvs, recv_bufs, tag: int, device: torch.device) -> list:
-    """Post every receive and send of a round before waiting on any (see `schedule.py`)."""
-    if device.type == "cuda":
-        ops = [dist.P2POp(dist.irecv, buf, m.peer) for m, buf in zip(recvs, recv_bufs)]
-        ops += [dist.P2POp(dist.isend, buf, m.peer) for m, buf in zip(sends, send_bufs)]
-        return dist.batch_isend_irecv(ops) if ops else []
-    works = [dist.irecv(buf, src=m.peer, tag=tag) for m, buf in zip(recvs, recv_bufs)]
-    works += [dist.isend(buf, dst=m.peer, tag=tag) for m, buf in zip(sends, send_bufs)]
-    return works

@@ -45,7 +45,7 @@ class Round:
 class Message:
     """One message of a round from `src` to `dst`.
 
-    Segments of at least `Schedule.direct_bytes` travel alone (``direct``): the sender sends its slice of
+    Segments of at least `SwitchSchedule.direct_bytes` travel alone (``direct``): the sender sends its slice of
     the old piece as it is and the receiver receives straight into its new piece, with no copy
     wherever the slice is contiguous. Smaller segments between the same pair are packed together
     at aligned byte offsets into one message.
@@ -64,7 +64,7 @@ def align(n: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class SwitchSchedule:
     plan: TransitionPlan
     budget: int
     rounds: tuple[Round, ...]
@@ -172,7 +172,7 @@ class Schedule:
                 previous = seg.tensor
 
 
-def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Schedule:
+def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> SwitchSchedule:
     """Cut `plan` into rounds; every process stays within max(old, new) + `budget` bytes.
 
     The builder keeps, for every process, the account the executor will keep: new pieces are
@@ -229,7 +229,7 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Schedu
             freeing[r] += old_piece[t][r]
     if current:
         close()
-    return Schedule(plan, budget, tuple(rounds))
+    return SwitchSchedule(plan, budget, tuple(rounds))
 
 
 def _pieces(plan: TransitionPlan, boxes) -> list[list[int]]:
@@ -273,17 +273,3 @@ def memory_order(plan: TransitionPlan) -> list[int]:
         for r in range(n):
             level[r] += size[t][r][1] - size[t][r][0]
     return order
-
-
-def parse_size(text: str) -> int:
-    """``"64M"``, ``"1G"``, ``"512K"`` or a number of bytes."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    body = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = body[-1:] if body[-1:] in "KMG" else ""
-    try:
-        value = float(body[: len(body) - len(unit)])
-    except ValueError:
-        raise ValueError(f"size {text!r} is not a number of bytes; write e.g. 64M, 1G or 1048576") from None
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return int(value * units[unit])

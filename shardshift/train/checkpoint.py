@@ -1,14 +1,13 @@
 """Checkpoints through PyTorch DCP: save under one layout, resume under any other.
 
 A checkpoint directory ``DIR/step-00000012`` holds DCP's files plus ``shardshift.json`` (the model
-and layout it was written under). The state is name-keyed (``get_state_dict``), so DCP reshards it
-on load into whatever layout the resuming job has built:
+and layout it was written under). What is saved is the trainer's `TrainingState.tensors()`: every
+logical tensor by its layout-free key (``param:<fqn>``, ``exp_avg:<fqn>``, ``exp_avg_sq:<fqn>``,
+``step:<fqn>``, ``progress:train``, ``rng:cpu``), parameters and moments as this rank's DTensor
+shards. DCP reshards them on load into whatever layout the resuming job has built.
 
-- ``model``, ``optim``: parameters and AdamW moments/steps, as this rank's DTensor shards;
-- ``progress``: ``[step, position]`` (optimizer steps taken, samples of the data stream consumed);
-- ``rng``: the CPU generator state (the same on every rank: seeded from ``--seed``).
-
-The LR schedule is a pure function of the step, so the step is its whole state.
+The LR schedule is a pure function of the step, and the optimizer's hyperparameters come from
+the configuration, so neither is saved.
 """
 
 from __future__ import annotations
@@ -17,19 +16,13 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardshift.train.trainer import Trainer
 
 META_FILE = "shardshift.json"
 _DCP_METADATA = ".metadata"  # written last by DCP: its presence marks a complete checkpoint
-# Optimizer hyperparameters are stored per parameter name ("param_groups.<fqn>.lr"), not as one
-# list of groups: DCP writes a replicated object from one rank only, and under pp that rank's
-# groups would name only its own stage's parameters, leaving other stages nothing to load.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoint_dir(root: str, step: int) -> Path:
@@ -53,15 +46,10 @@ def read_meta(path: Path) -> dict:
     return json.loads((path / META_FILE).read_text())
 
 
-def _state(trainer: Trainer) -> dict:
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
-    progress = torch.tensor([trainer.progress.step, trainer.progress.position], dtype=torch.int64)
-    return {"model": model_sd, "optim": optim_sd, "progress": progress, "rng": torch.get_rng_state()}
-
-
 def save(trainer: Trainer, root: str) -> Path:
+    """Save the trainer's state under ``root/step-<step>`` (a collective: every rank calls it)."""
     path = checkpoint_dir(root, trainer.progress.step)
-    dcp.save(_state(trainer), checkpoint_id=str(path))
+    dcp.save(trainer.state.tensors(), checkpoint_id=str(path))
     if dist.get_rank() == 0:
         meta = {
             "model": trainer.cfg.model_name,
@@ -81,15 +69,9 @@ def save(trainer: Trainer, root: str) -> Path:
 
 def load(trainer: Trainer, path: Path) -> None:
     """Load `path` into the trainer, resharding to its layout (a collective: every rank calls it)."""
-    state = _state(trainer)
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-        options=_OPTIONS,
-    )
-    step, position = (int(v) for v in state["progress"])
-    trainer.progress.step, trainer.progress.position = step, position
-    torch.set_rng_state(state["rng"])
+    tensors = trainer.state.tensors()
+    dcp.load(tensors, checkpoint_id=str(path))  # in place into the state's own tensors
+    trainer.state.restore(tensors)
 
 
 def check_compatible(path: Path, model_name: str, model_config, global_batch: int, seed: int) -> None:

@@ -11,7 +11,7 @@ import torch
 from shardshift.layout import Layout
 from shardshift.reshard.schedule import DEFAULT_BUDGET, MIN_BUDGET
 from shardshift.train.model import PRESETS, ModelConfig
-from shardshift.train.state import check_layout
+from shardshift.train.space import check_layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

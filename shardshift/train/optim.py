@@ -12,6 +12,7 @@ parameters, so the world-wide sum counts every logical element exactly once.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,12 @@ from torch.distributed.tensor import DTensor
 from shardshift.train.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig,
+                    state: Mapping[str, dict[str, torch.Tensor]] | None = None) -> torch.optim.AdamW:
+    """AdamW over `model`'s parameters, with its state present for every parameter from the start:
+    ``state[fqn]`` (``exp_avg``, ``exp_avg_sq``, ``step``) where given, as a switch moves it, else
+    what AdamW's first step would create (zero moments, step 0), so that the state can be listed,
+    saved and moved before any step."""
     decay, no_decay = [], []
     for param in model.parameters():
         (decay if param.dim() >= 2 else no_decay).append(param)
@@ -31,7 +37,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     ]
     # foreach=False: parameters live on different meshes (tp-only, fsdp, plain), which the fused
     # multi-tensor kernels do not group across; the per-parameter loop is exact and cheap here.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    for fqn, param in model.named_parameters():
+        if state is not None:
+            optimizer.state[param] = {kind: state[fqn][kind] for kind in ("step", "exp_avg", "exp_avg_sq")}
+        else:  # as AdamW initialises a parameter's state (a 0-d float32 step on the CPU)
+            optimizer.state[param] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
+    return optimizer
 
 
 def _copies(param: torch.Tensor, ranks_per_stage: int) -> int:

@@ -24,16 +24,16 @@ import warnings
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.layout import AXES, Coord, Layout
 from shardshift.reshard.plan import increasing_on_every_axis
 from shardshift.train.model import GPT, ModelConfig, init_value
-from shardshift.train.state import TP_STYLES, stage_blocks, uses_fsdp
+from shardshift.train.space import TP_STYLES, stage_blocks, uses_fsdp
 
 # Module (relative to a block) -> its tensor-parallel style, from the pure statement in `state.py`.
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

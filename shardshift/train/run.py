@@ -11,6 +11,7 @@ from shardshift.runtime import init_distributed
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.trainer import StepResult, Trainer
+from shardshift.units import format_size
 
 
 def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
@@ -34,20 +35,13 @@ def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
         metrics.flush()
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
 def _report_switch(report, metrics) -> None:
     print(
         f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s "
         f"(prepared in {report.prepare_seconds:.2f} s{' ahead' if report.prepared_ahead else ''}): "
-        f"moved {_size(report.bytes_moved)} (lower bound {_size(report.bytes_lower_bound)}), kept "
-        f"{_size(report.bytes_kept)} in place, {report.rounds} round(s), peak {_size(report.peak_mem_bytes)} "
-        f"per rank, {_size(report.extra_mem_bytes)} over max(old, new) (budget {_size(report.budget)})",
+        f"moved {format_size(report.bytes_moved)} (lower bound {format_size(report.bytes_lower_bound)}), kept "
+        f"{format_size(report.bytes_kept)} in place, {report.rounds} round(s), peak {format_size(report.peak_mem_bytes)} "
+        f"per rank, {format_size(report.extra_mem_bytes)} over max(old, new) (budget {format_size(report.budget)})",
         flush=True,
     )
     if metrics is not None:
@@ -59,7 +53,7 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
     proc = init_distributed(timeout_s)
     try:
         cfg.layout.check_world(proc.world_size)
-        trainer = Trainer(cfg, proc.rank, proc.device_type)
+        trainer = Trainer(cfg, proc.rank, proc.device_type, timeout_s=timeout_s)
         if cfg.resume:
             path = checkpoint.resolve(cfg.resume)
             checkpoint.load(trainer, path)

@@ -1,130 +1,111 @@
-"""The GPT's training state as logical tensors, and where each layout puts them (pure metadata).
+"""The training state of one rank, as one value: what a step changes and what a switch or a
+checkpoint carries.
 
-This is the single statement of how `parallelize.py` shards the model, written so that the planner
-can evaluate it for any layout and any rank without building anything:
+`TrainingState` holds, under one layout (`par`): this rank's part of the model (its parameters),
+the AdamW optimizer over it (two moments and a step count per parameter, created with the state,
+not at the first step), and the progress (optimizer steps taken, which is also the whole state of
+the LR schedule, and the data stream's position). The CPU generator's state belongs to it too; it
+lives in torch's global generator, which the state reads and sets.
 
-- a block's parameters belong to the pipeline stage that runs the block (`stage_blocks`); the
-  embeddings to the first stage, the final norm and the head to the last;
-- tensor parallelism (`TP_STYLES`): a column-parallel linear holds ``1/tp`` of the rows of its
-  weight and bias; a row-parallel one ``1/tp`` of the columns of its weight, and its bias whole;
-- FSDP2 then chunks the piece a rank holds along dim 0 over ``fsdp`` (replicated over ``dp``);
-  pure replication (DDP) and tp-only layouts add no split.
+`tensors()` is the one enumeration of that state: every logical tensor of the GPT's space
+(`space.py`) that this rank holds, by its key (``param:<fqn>``, ``exp_avg:<fqn>``,
+``exp_avg_sq:<fqn>``, ``step:<fqn>``, ``progress:train``, ``rng:cpu``). The switch, the checkpoint,
+the benchmarks' digests and the tests all read the state through it.
 
-AdamW's ``exp_avg`` and ``exp_avg_sq`` are placed like their parameter; its ``step`` (a 0-d tensor
-per parameter) is held whole by every rank holding the parameter. The training progress
-(``[step, position]``) and the CPU RNG state are held whole by every rank. The LR schedule is a pure
-function of the step, so the step carries it.
+A state is replaced, never changed in its structure: a switch builds the next layout's state from
+this one and consumes it, and then marks it `lost` (its storage was moved or freed), as it does
+when the switch fails half-way. A lost state refuses to be used, with the reason.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from collections.abc import Mapping
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-from shardshift.layout import Coord, Layout
-from shardshift.reshard.space import LogicalTensor, Sharding, Split
-from shardshift.train.model import GPT, ModelConfig
-
-# Linear module (relative to a block) -> its tensor-parallel style.
-TP_STYLES = {
-    "attn.q": "colwise",
-    "attn.k": "colwise",
-    "attn.v": "colwise",
-    "attn.out": "rowwise",
-    "mlp.fc": "colwise",
-    "mlp.proj": "rowwise",
-}
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-RNG_STATE_BYTES = torch.get_rng_state().numel()
+from shardshift.train.config import TrainConfig
+from shardshift.train.optim import build_optimizer
+from shardshift.train.parallelize import Parallel, build_stage_model
+from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY
 
 
-def stage_blocks(n_layer: int, pp: int) -> list[range]:
-    """Block indices of each pipeline stage: contiguous, the first ``n_layer % pp`` stages one longer."""
-    base, extra = divmod(n_layer, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        stop = start + base + (1 if stage < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
+@dataclasses.dataclass
+class Progress:
+    """How far training is: with the model and optimizer it is the whole training state."""
+
+    step: int = 0  # optimizer steps taken
+    position: int = 0  # samples of the data stream consumed
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.step, self.position], dtype=torch.int64)
 
 
-def check_layout(layout: Layout, cfg: ModelConfig) -> None:
-    """Refuse a layout this model cannot take, saying which constraint failed and what would do."""
-    if layout.tp > 1:
-        for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
-            if size % layout.tp:
-                valid = [t for t in range(1, cfg.n_head + 1) if cfg.n_head % t == 0 and cfg.d_ff % t == 0]
-                raise ValueError(
-                    f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                    f"{{{', '.join(map(str, valid))}}}"
-                )
-    if layout.pp > cfg.n_layer:
-        raise ValueError(
-            f"pp={layout.pp} is larger than the number of layers n_layer={cfg.n_layer}; "
-            f"choose pp <= {cfg.n_layer}"
-        )
+class LostState(RuntimeError):
+    """The state was consumed by a switch, or broken by one that failed: it cannot be used."""
 
 
-def uses_fsdp(layout: Layout) -> bool:
-    """FSDP2 wraps the model unless the layout is pure replication (DDP) or has no data axis."""
-    replicate_only = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
-    return not replicate_only and layout.data_parallel > 1
+class TrainingState:
+    """One rank's training state under one layout (see the module docstring)."""
+
+    def __init__(self, par: Parallel, model: nn.Module, optimizer: torch.optim.AdamW, progress: Progress) -> None:
+        self.par = par  # the layout's meshes and this rank's coordinate in them
+        self.model = model  # this rank's pipeline stage, parallelized: its parameters
+        self.optimizer = optimizer  # AdamW, its state (moments, step) present for every parameter
+        self.progress = progress
+        self._lost: str | None = None
+
+    @classmethod
+    def initial(cls, cfg: TrainConfig, par: Parallel) -> TrainingState:
+        """The state a run starts from: weights from `cfg.seed` (the same in every layout), AdamW
+        moments at zero, step 0, the generator seeded."""
+        torch.manual_seed(cfg.seed)
+        model = build_stage_model(cfg.model, par, cfg.param_dtype, cfg.seed)
+        return cls(par, model, build_optimizer(model, cfg.optim), Progress())
+
+    # ---- the logical tensors -------------------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every logical tensor this rank holds, by key (module docstring), in the space's order.
+
+        Parameters and AdamW state are the state's own tensors (DTensors where the layout shards
+        them): writing into them writes the state. ``progress:train`` and ``rng:cpu`` are copies:
+        give them back with `restore` after writing them (a checkpoint load).
+        """
+        self.check_usable()
+        out: dict[str, torch.Tensor] = {}
+        for fqn, param in self.model.named_parameters():
+            state = self.optimizer.state[param]
+            out[f"param:{fqn}"] = param.detach()
+            for kind in (*MOMENTS, "step"):
+                out[f"{kind}:{fqn}"] = state[kind]
+        out[PROGRESS_KEY] = self.progress.as_tensor()
+        out[RNG_KEY] = torch.get_rng_state()
+        return out
+
+    def restore(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take the progress and the generator's state from `tensors` (as `tensors()` names them)."""
+        step, position = (int(v) for v in tensors[PROGRESS_KEY])
+        self.progress = Progress(step=step, position=position)
+        torch.set_rng_state(tensors[RNG_KEY])
+
+    # ---- lifetime ------------------------------------------------------------------------------
+
+    @property
+    def lost(self) -> str | None:
+        """Why this state can no longer be used, or None while it can."""
+        return self._lost
+
+    def mark_lost(self, reason: str) -> None:
+        self._lost = reason
+
+    def check_usable(self) -> None:
+        if self._lost is not None:
+            raise LostState(f"this training state can no longer be used: {self._lost}")
 
 
-class GPTState:
-    """`StateSpace` of a GPT trained with AdamW under ShardShift's layouts."""
-
-    def __init__(self, cfg: ModelConfig, param_dtype: torch.dtype):
-        self.cfg = cfg
-        with torch.device("meta"):
-            params = [(fqn, tuple(p.shape)) for fqn, p in GPT(cfg).named_parameters()]
-        tensors = []
-        for fqn, shape in params:
-            tensors.append(LogicalTensor(fqn, "param", shape, param_dtype))
-            tensors.extend(LogicalTensor(fqn, kind, shape, param_dtype) for kind in MOMENTS)
-            tensors.append(LogicalTensor(fqn, "step", (), torch.float32))
-        tensors.append(LogicalTensor("train", "progress", (2,), torch.int64))
-        tensors.append(LogicalTensor("cpu", "rng", (RNG_STATE_BYTES,), torch.uint8))
-        self.tensors: tuple[LogicalTensor, ...] = tuple(tensors)
-
-    def check(self, layout: Layout) -> None:
-        check_layout(layout, self.cfg)
-
-    def stage_of(self, fqn: str, pp: int) -> int:
-        parts = fqn.split(".")
-        if parts[0] == "blocks":
-            return _block_stage(self.cfg.n_layer, pp)[int(parts[1])]
-        return 0 if parts[0] in ("tok_emb", "pos_emb") else pp - 1
-
-    def sharding(self, layout: Layout, coord: Coord, tensor: LogicalTensor) -> Sharding:
-        if tensor.kind in ("progress", "rng"):
-            return Sharding(stage=None)
-        stage = self.stage_of(tensor.name, layout.pp)
-        if tensor.kind == "step":
-            return Sharding(stage=stage)
-        splits = []
-        style = _tp_style(tensor.name)
-        if layout.tp > 1 and style is not None:
-            leaf = tensor.name.rsplit(".", 1)[1]
-            if style == "colwise":
-                splits.append(Split(0, layout.tp, coord.tp))
-            elif leaf == "weight":  # row-parallel weight; its bias stays whole
-                splits.append(Split(1, layout.tp, coord.tp))
-        if uses_fsdp(layout):
-            splits.append(Split(0, layout.fsdp, coord.fsdp))
-        return Sharding(stage=stage, splits=tuple(splits))
-
-
-@functools.lru_cache(maxsize=64)
-def _block_stage(n_layer: int, pp: int) -> tuple[int, ...]:
-    return tuple(stage for stage, blocks in enumerate(stage_blocks(n_layer, pp)) for _ in blocks)
-
-
-def _tp_style(fqn: str) -> str | None:
-    parts = fqn.split(".")  # blocks.<i>.<attn|mlp>.<linear>.<weight|bias>
-    if parts[0] != "blocks" or len(parts) != 5:
-        return None
-    return TP_STYLES.get(f"{parts[2]}.{parts[3]}")
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank holds: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

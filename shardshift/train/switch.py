@@ -1,4 +1,5 @@
-"""Switch a running `Trainer` to another layout, in place, without a checkpoint.
+"""Switch training to another layout in the running processes, without a checkpoint: the next
+layout's `TrainingState` is built from the current one, which the switch consumes.
 
 Preparing (`prepare_switch`, which may run steps ahead while training goes on), every rank:
 
@@ -12,8 +13,12 @@ Switching, at a step boundary (no gradients, no activations), every rank:
 3. runs the schedule (`reshard.execute`): each new piece gets its bytes back when the schedule
    first writes it and is filled from local copies and messages; each old piece is freed as soon
    as the schedule is done with it;
-4. builds the optimizer over the new parameters with the moved AdamW state, the pipeline schedule
-   and the DDP wrapper where the layout needs them, and restores the step, data position and RNG.
+4. builds the optimizer over the new parameters with the moved AdamW state, and the new state with
+   the moved step, data position and RNG (the trainer then builds the pipeline and the DDP wrapper
+   where the layout needs them).
+
+The old state is lost from the first freed byte: after the switch, or after a failure half-way
+(a lost peer, a timeout), it is marked so and refuses to be used.
 
 Storage is given and taken back by resizing it (the way FSDP2 frees its unsharded parameters):
 this is how memory stays within max(old state, new state) + the budget while a switch runs, with
@@ -28,16 +33,17 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from shardshift.comm.p2p import Deadline, Transport
 from shardshift.layout import Layout
-from shardshift.reshard.execute import Program, compile_program, execute
-from shardshift.reshard.plan import TransitionPlan, plan_transition
-from shardshift.reshard.schedule import DEFAULT_BUDGET, Schedule, build_schedule
+from shardshift.reshard.execute import SwitchProgram, compile_program, run_program
+from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
+from shardshift.reshard.schedule import DEFAULT_BUDGET, SwitchSchedule, build_schedule
 from shardshift.train.config import TrainConfig
 from shardshift.train.optim import build_optimizer
 from shardshift.train.parallelize import Parallel, build_parallel, build_stage_skeleton, materialize
-from shardshift.train.state import MOMENTS, GPTState
+from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, GPTSpace
+from shardshift.train.state import Progress, TrainingState, local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,45 +89,22 @@ class SwitchReport:
         }
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t.data
+class _StateSource:
+    """The old state's local pieces, by logical tensor (`TrainingState.tensors()`)."""
 
-
-class _TrainerSource:
-    """The old state of a trainer, by logical tensor."""
-
-    def __init__(self, trainer, space: GPTState):
+    def __init__(self, state: TrainingState, space: GPTSpace):
         self.tensors = space.tensors
-        self.params = dict(trainer.model.named_parameters())
-        self.state = trainer.optimizer.state
-        self.progress = torch.tensor([trainer.progress.step, trainer.progress.position], dtype=torch.int64)
-        self.rng = torch.get_rng_state()
+        self.held = state.tensors()
         self.pieces: dict[int, torch.Tensor] = {}
 
     def local(self, index: int) -> torch.Tensor:
         piece = self.pieces.get(index)
         if piece is None:
-            piece = self.pieces[index] = self._find(index)
+            piece = self.pieces[index] = local(self.held[self.tensors[index].key])
         return piece
 
-    def _find(self, index: int) -> torch.Tensor:
-        t = self.tensors[index]
-        if t.kind == "progress":
-            return self.progress
-        if t.kind == "rng":
-            return self.rng
-        param = self.params[t.name]
-        if t.kind == "param":
-            return _local(param)
-        state = self.state.get(param)
-        if state:
-            return _local(state[t.kind])
-        # AdamW state not created yet (no step taken): zeros
-        return torch.zeros(()) if t.kind == "step" else torch.zeros_like(_local(param))
-
     def release(self, index: int) -> None:
-        t = self.tensors[index]
-        if t.kind in ("param", *MOMENTS):
+        if self.tensors[index].kind in ("param", *MOMENTS):
             # The old model and optimizer are dropped after the switch; free the bytes now. A
             # storage shared with numpy cannot shrink: it is freed with the old model instead.
             storage = self.local(index).untyped_storage()
@@ -138,27 +121,26 @@ class _ModelSink:
     memory grows as the schedule allows and no tensor is constructed while training stands still.
     """
 
-    def __init__(self, model: nn.Module, space: GPTState, device: torch.device):
+    def __init__(self, model: nn.Module, space: GPTSpace, device: torch.device):
         self.optim_state: dict[str, dict[str, torch.Tensor]] = {}
-        self.progress = torch.zeros(2, dtype=torch.int64)
-        self.rng = torch.empty_like(torch.get_rng_state())
+        self.scalars = {PROGRESS_KEY: torch.zeros(2, dtype=torch.int64), RNG_KEY: torch.empty_like(torch.get_rng_state())}
         self.pieces: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (local piece, its bytes)
-        index = {(t.name, t.kind): i for i, t in enumerate(space.tensors)}
-        self.pieces[index["train", "progress"]] = (self.progress, 0)  # 0: kept, never freed
-        self.pieces[index["cpu", "rng"]] = (self.rng, 0)
+        index = {t.key: i for i, t in enumerate(space.tensors)}
+        for key, tensor in self.scalars.items():
+            self.pieces[index[key]] = (tensor, 0)  # 0: kept, never freed
         for module_name, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
             materialize(module, device)  # one module's parameters allocated at a time, then freed
             for leaf, param in module.named_parameters(recurse=False):
                 fqn = f"{module_name}.{leaf}" if module_name else leaf
-                self._reserve(index[fqn, "param"], _local(param))
+                self._reserve(index[f"param:{fqn}"], local(param))
                 # AdamW keeps `step` as a 0-d float32 tensor on the CPU, the moments like the parameter.
                 state = {"step": torch.zeros((), dtype=torch.float32)}
                 for kind in MOMENTS:
                     state[kind] = torch.empty_like(param)
-                    self._reserve(index[fqn, kind], _local(state[kind]))
-                self.pieces[index[fqn, "step"]] = (state["step"], 0)
+                    self._reserve(index[f"{kind}:{fqn}"], local(state[kind]))
+                self.pieces[index[f"step:{fqn}"]] = (state["step"], 0)
                 self.optim_state[fqn] = state
 
     def _reserve(self, index: int, local: torch.Tensor) -> None:
@@ -181,64 +163,59 @@ class PreparedSwitch:
 
     cfg: TrainConfig  # the run's configuration under the new layout
     plan: TransitionPlan
-    schedule: Schedule
+    schedule: SwitchSchedule
     par: Parallel  # the new layout's meshes
     model: nn.Module  # its model, parallelized, every tensor of it with no storage yet
-    space: GPTState
+    space: GPTSpace
     sink: _ModelSink  # that model's parameters and AdamW state, by logical tensor
-    program: Program  # this rank's part of the schedule, every slice worked out
+    program: SwitchProgram  # this rank's part of the schedule, every slice worked out
     seconds: float  # time it took to prepare, on this rank
 
 
-def prepare_switch(trainer, layout: Layout, budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
-    """Plan a switch of `trainer` to `layout`; build its meshes, its model and AdamW tensors with no
-    storage behind them, and this rank's program of the schedule.
+def prepare_switch(cfg: TrainConfig, state: TrainingState, rank: int, layout: Layout,
+                   budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
+    """Plan a switch of a run under `cfg` with `state` to `layout`; build its meshes, its model and
+    AdamW tensors with no storage behind them, and this rank's program of the schedule.
 
     A collective (the meshes' groups): every rank calls it with the same arguments. Raises
     ValueError, before anything is built, for a layout the model, batch or world cannot take.
     """
     start = time.perf_counter()
-    cfg = trainer.cfg.with_layout(layout)  # refuses a batch the new layout cannot split
-    space = GPTState(cfg.model, cfg.param_dtype)
-    plan = plan_transition(space, trainer.assignment, layout)
+    new_cfg = cfg.with_layout(layout)  # refuses a batch the new layout cannot split
+    space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
+    plan = plan_transition(space, Assignment(cfg.layout, state.par.ranks), layout)
     schedule = build_schedule(plan, budget)
-    par = build_parallel(layout, trainer.rank, trainer.par.device.type, plan.new.ranks)
-    model = build_stage_skeleton(cfg.model, par, cfg.param_dtype)
+    par = build_parallel(layout, rank, state.par.device.type, plan.new.ranks)
+    model = build_stage_skeleton(new_cfg.model, par, new_cfg.param_dtype)
     sink = _ModelSink(model, space, par.device)
-    program = compile_program(schedule, trainer.rank)
-    return PreparedSwitch(cfg, plan, schedule, par, model, space, sink, program, time.perf_counter() - start)
+    program = compile_program(schedule, rank)
+    return PreparedSwitch(new_cfg, plan, schedule, par, model, space, sink, program, time.perf_counter() - start)
 
 
-def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
-    """Switch `trainer` to a layout (a collective: every rank calls it with the same arguments).
+def switch_state(old: TrainingState, prepared: PreparedSwitch, group, timeout_s: float,
+                 ahead: bool = True) -> tuple[TrainingState, SwitchReport]:
+    """Move `old` into the layout `prepared` was made for (a collective over `group`, which carries
+    the transfers, each done within `timeout_s`); return the new state and what the switch did.
 
-    `target` is the layout, or a `PreparedSwitch` for it made earlier from this trainer's current
-    state; then only the state moves now.
+    `old` is consumed: it is marked lost when this returns, and also when it raises half-way (a
+    `TransferError` naming the peer and round), since some of its storage may be freed by then.
+    `ahead`: the switch was prepared before this call (then its time is reported apart).
     """
     start_ns = time.perf_counter_ns()
-    on_cuda = trainer.par.device.type == "cuda"
+    plan, par, model, sink = prepared.plan, prepared.par, prepared.model, prepared.sink
+    on_cuda = par.device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    prepared = target if isinstance(target, PreparedSwitch) else prepare_switch(trainer, target, budget)
-    if prepared.plan.old != trainer.assignment:
-        raise ValueError(
-            f"this switch was prepared from {prepared.plan.old}, but the trainer is under "
-            f"{trainer.assignment}; prepare it again"
-        )
-    cfg, plan, par, model, sink = prepared.cfg, prepared.plan, prepared.par, prepared.model, prepared.sink
-    rank, old = trainer.rank, trainer.assignment
-
-    trainer.drop_runtime()  # the DDP wrapper's buckets and the pipeline schedule go first
-    source = _TrainerSource(trainer, prepared.space)
-    stats = execute(prepared.program, source, sink, par.device)
-
-    optimizer = build_optimizer(model, cfg.optim)
-    for fqn, param in model.named_parameters():
-        state = sink.optim_state[fqn]
-        optimizer.state[param] = {kind: state[kind] for kind in ("step", *MOMENTS)}
-    step, position = (int(v) for v in sink.progress)
-    torch.set_rng_state(sink.rng)
-    trainer.install(cfg, par, plan.new, model, optimizer, step, position)
+    source = _StateSource(old, prepared.space)
+    try:
+        stats = run_program(prepared.program, source, sink, Transport(group), Deadline.after(timeout_s), par.device)
+    except BaseException as err:
+        old.mark_lost(f"a switch from {plan.old} to {plan.new} failed while moving it ({err}); resume "
+                      "from the newest checkpoint")
+        raise
+    old.mark_lost(f"a switch moved it to {plan.new}; use the state the switch returned")
+    new = TrainingState(par, model, build_optimizer(model, prepared.cfg.optim, sink.optim_state), Progress())
+    new.restore(sink.scalars)
 
     extra = stats.peak_bytes - max(stats.old_bytes, stats.new_bytes)
     device_peak = torch.cuda.max_memory_allocated() if on_cuda else 0
@@ -246,15 +223,15 @@ def switch_trainer(trainer, target: Layout | PreparedSwitch, budget: int = DEFAU
     prepare_ns = int(prepared.seconds * 1e9)
     figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, elapsed_ns, prepare_ns]
     worst = torch.tensor(figures, dtype=torch.int64, device=par.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     worst = worst.tolist()
-    return SwitchReport(
-        step=step + 1,
-        old=str(old),
+    return new, SwitchReport(
+        step=new.progress.step + 1,
+        old=str(plan.old),
         new=str(plan.new),
         seconds=worst[4] / 1e9,
         prepare_seconds=worst[5] / 1e9,
-        prepared_ahead=prepared is target,
+        prepared_ahead=ahead,
         bytes_moved=plan.bytes_moved,
         bytes_kept=plan.bytes_kept,
         bytes_lower_bound=plan.bytes_lower_bound,

@@ -1,4 +1,11 @@
-"""The training loop of one rank: model stage, optimizer, data stream, one step at a time."""
+"""The training loop of one rank: its `TrainingState`, the data stream, one step at a time.
+
+A `Trainer` holds the state (`state.py`) and what runs steps on it: the module that runs forward
+and backward (the model, or a DDP wrapper around it) and, under pp, the 1F1B pipeline. A switch
+(`switch.py`) builds the next layout's state from the current one; the trainer then drops its
+runtime and builds a new one around the new state. A switch that fails half-way leaves the state
+lost and the trainer refusing to go on, saying why (resume from a checkpoint).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from shardshift.layout import Layout
@@ -15,9 +23,12 @@ from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.model import loss_fn
-from shardshift.train.optim import build_optimizer, clip_grad_norm
-from shardshift.train.parallelize import build_parallel, build_stage_model, wrap_for_training
-from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_trainer
+from shardshift.train.optim import clip_grad_norm
+from shardshift.train.parallelize import Parallel, build_parallel, wrap_for_training
+from shardshift.train.state import Progress, TrainingState
+from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_state
+
+DEFAULT_TIMEOUT_S = 300.0  # a switch's transfers, as the job's collectives (`--timeout`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,71 +41,88 @@ class StepResult:
     tokens_per_s: float
 
 
-@dataclasses.dataclass
-class Progress:
-    """Training position; with the model and optimizer it is the whole training state."""
-
-    step: int = 0  # optimizer steps taken
-    position: int = 0  # samples of the data stream consumed
-
-
 class Trainer:
     """Trains this rank's part of the model under `cfg.layout`.
 
-    Every rank of the job constructs one and calls `train_step` in lockstep.
+    Every rank of the job constructs one and calls `train_step` (and `switch`) in lockstep.
+    `group` carries a switch's transfers (default: the job's world), within `timeout_s`.
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None, ranks=None):
+    def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None, ranks=None, group=None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         """`ranks`: the process at each coordinate of the layout (default: process i at the i-th)."""
         self.cfg = cfg
         self.rank = rank
-        torch.manual_seed(cfg.seed)
-        self.par = build_parallel(cfg.layout, rank, device_type, ranks)
-        self.model = build_stage_model(cfg.model, self.par, cfg.param_dtype, cfg.seed)
-        self.module = wrap_for_training(self.model, self.par)  # what runs forward and backward
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.group = dist.group.WORLD if group is None else group
+        self.timeout_s = timeout_s
+        self.state = TrainingState.initial(cfg, build_parallel(cfg.layout, rank, device_type, ranks))
         self.stream = BatchStream(
             load_tokens(cfg.data) if tokens is None else tokens,
             cfg.model.seq_len,
             cfg.global_batch,
             cfg.seed,
         )
-        self.progress = Progress()
-        self.schedule = self._build_schedule() if cfg.layout.pp > 1 else None
+        self.module, self.pipeline = self._runtime(sync=True)
+
+    # ---- the state, read through --------------------------------------------------------------
+
+    @property
+    def par(self) -> Parallel:
+        return self.state.par
+
+    @property
+    def model(self) -> nn.Module:
+        return self.state.model
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self.state.optimizer
+
+    @property
+    def progress(self) -> Progress:
+        return self.state.progress
 
     @property
     def assignment(self) -> Assignment:
         """The layout and the process at each of its coordinates."""
         return Assignment(self.cfg.layout, self.par.ranks)
 
-    def switch(self, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
-        """Continue training under a layout, moving the state in place (see `switch.py`).
-
-        A collective between steps: every rank calls it with the same arguments. `target` is the
-        layout or what `prepare_switch` made for it. A layout the model, the batch or the world
-        cannot take raises ValueError before anything changes.
-        """
-        return switch_trainer(self, target, budget)
+    # ---- switching -----------------------------------------------------------------------------
 
     def prepare_switch(self, layout: Layout, budget: int = DEFAULT_BUDGET) -> PreparedSwitch:
         """Plan a switch and build the new layout's meshes and storage-less model, ahead of time."""
-        return prepare_switch(self, layout, budget)
+        self.state.check_usable()
+        return prepare_switch(self.cfg, self.state, self.rank, layout, budget)
 
-    def drop_runtime(self) -> None:
-        """Drop what only runs steps (DDP wrapper, pipeline schedule): a switch is about to start."""
-        self.module = self.schedule = None
+    def switch(self, target: Layout | PreparedSwitch, budget: int = DEFAULT_BUDGET) -> SwitchReport:
+        """Continue training under another layout, the state moved in place (see `switch.py`).
 
-    def install(self, cfg: TrainConfig, par, assignment: Assignment, model, optimizer, step: int, position: int) -> None:
-        """Take the state a switch built for `cfg.layout`."""
-        assert par.ranks == assignment.ranks and cfg.layout == assignment.layout
-        self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
-        self.progress = Progress(step=step, position=position)
-        self.module = wrap_for_training(model, par, sync=False)  # the switch made replicas identical
-        self.schedule = self._build_schedule() if cfg.layout.pp > 1 else None
+        A collective between steps: every rank calls it with the same arguments. `target` is the
+        layout or what `prepare_switch` made for it. A layout the model, the batch or the world
+        cannot take raises ValueError before anything changes. A failure while the state moves
+        (a lost peer, a timeout) leaves this trainer unusable: its error says why.
+        """
+        prepared = target if isinstance(target, PreparedSwitch) else self.prepare_switch(target, budget)
+        if prepared.plan.old != self.assignment:
+            raise ValueError(f"this switch was prepared from {prepared.plan.old}, but the trainer is under "
+                             f"{self.assignment}; prepare it again")
+        self.module = self.pipeline = None  # the DDP wrapper's buckets and the pipeline go first
+        new_state, report = switch_state(self.state, prepared, self.group, self.timeout_s,
+                                         ahead=prepared is target)
+        self.cfg, self.state = prepared.cfg, new_state
+        self.module, self.pipeline = self._runtime(sync=False)  # the switch made replicas identical
+        return report
 
-    def _build_schedule(self) -> Schedule1F1B:
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def _runtime(self, sync: bool) -> tuple[nn.Module, Schedule1F1B | None]:
+        """What runs steps on the state: the module (a DDP wrapper under pure replication; `sync`
+        broadcasts its parameters from rank 0 first) and, under pp, the pipeline."""
+        module = wrap_for_training(self.model, self.par, sync=sync)
+        if self.cfg.layout.pp == 1:
+            return module, None
         stage = PipelineStage(
-            self.module,
+            module,
             stage_index=self.par.coord.pp,
             num_stages=self.cfg.layout.pp,
             device=self.par.device,
@@ -102,22 +130,22 @@ class Trainer:
         )
         # scale_grads: each micro-batch's loss is a mean over the micro-batch; dividing the summed
         # gradients by the number of micro-batches makes them the gradient of the local-batch mean.
-        return Schedule1F1B(stage, n_microbatches=self.cfg.micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return module, Schedule1F1B(stage, n_microbatches=self.cfg.micro_batches, loss_fn=loss_fn, scale_grads=True)
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Local mean loss on the last stage (None elsewhere); gradients left in `.grad`."""
-        if self.schedule is None:
+        if self.pipeline is None:
             loss = loss_fn(self.module(inputs), targets)
             loss.backward()
             return loss.detach()
         if self.par.is_first_stage:
-            self.schedule.step(inputs)
+            self.pipeline.step(inputs)
             return None
         if self.par.is_last_stage:
             losses: list[torch.Tensor] = []
-            self.schedule.step(target=targets, losses=losses)
+            self.pipeline.step(target=targets, losses=losses)
             return torch.stack([loss.detach() for loss in losses]).mean()
-        self.schedule.step()
+        self.pipeline.step()
         return None
 
     def _global_loss(self, local_loss: torch.Tensor | None) -> float:
@@ -130,13 +158,12 @@ class Trainer:
         return float(total)
 
     def train_step(self) -> StepResult:
-        cfg, layout = self.cfg, self.cfg.layout
+        self.state.check_usable()
+        cfg, layout, progress = self.cfg, self.cfg.layout, self.progress
         start = time.perf_counter()
-        inputs, targets = self.stream.batch(
-            self.progress.position, layout.data_rank(self.par.coord), layout.data_parallel
-        )
+        inputs, targets = self.stream.batch(progress.position, layout.data_rank(self.par.coord), layout.data_parallel)
         inputs, targets = inputs.to(self.par.device), targets.to(self.par.device)
-        lr = cfg.optim.lr_at(self.progress.step, cfg.steps)
+        lr = cfg.optim.lr_at(progress.step, cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -148,11 +175,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._global_loss(local_loss)
 
-        self.progress.step += 1
-        self.progress.position += cfg.global_batch
+        progress.step += 1
+        progress.position += cfg.global_batch
         elapsed = time.perf_counter() - start
         return StepResult(
-            step=self.progress.step,
+            step=progress.step,
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,

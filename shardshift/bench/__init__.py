@@ -1,0 +1,8 @@
+"""Benchmarks: commands that print ratios measured side by side in one run (`shardshift bench ...`).
+
+Each has a typed options dataclass that refuses bad input before any process starts, and a
+function that runs it: `train` (tokens/s beside DDP), `switch` (the online switch beside DCP, a
+restart and the physical limit), `packing` (tree packings beside their bounds), `collectives`
+(gloo, a ring, packed trees and `auto` side by side, nccl-tests style; its ranks run
+`collectives_rank`). Multi-process benchmarks start their ranks with `shardshift.launch`.
+"""

@@ -1,0 +1,433 @@
+"""`shardshift bench switch`: a layout switch four ways, measured side by side in the same run, one
+transition at a time.
+
+    shardshift bench switch --nproc 4 --suite                  # the default chain, model base
+    shardshift bench switch --nproc 4 --model tiny --from dp=4 --to fsdp=2,tp=2
+    shardshift bench switch --nproc 2 --model test --suite 'dp=2;fsdp=2;pp=2' --json
+
+One trainer walks a chain of layouts L0 → L1 → … on the bench's processes. It takes one step under
+L0 first, so AdamW state exists. For each transition A → B, at a step boundary, in this order:
+
+1. **Link rate.** Every rank posts, at once, an ``isend`` of `p2p_bytes` to every other rank and an
+   ``irecv`` of as much from every other rank, on the job's default group, then waits on all: the
+   concurrent all-pairs pattern a switch round uses. The rate is the bytes one rank receives
+   ((n-1) × `p2p_bytes`) ÷ the slowest rank's time; the best of `p2p_reps` timed runs after one
+   warm-up.
+2. **DCP save** (``dcp_save_seconds``): `checkpoint.save` of the trainer under A into a temporary
+   directory on local disk, barrier to barrier.
+3. **Restart** (``restart_seconds``, rank 0 only; skipped with `restart=False`): rank 0 starts
+   ``python -m shardshift train --nproc N --layout B --resume DIR --stop-at step+1`` (the local
+   launcher: N fresh worker processes, fresh imports, a fresh process group, a trainer built under
+   B, DCP load) and reads its output. The other ranks wait in a barrier, blocked in gloo, not
+   spinning, so the fresh job has the cores. ``restart_seconds`` = the DCP save of step 2 + the time
+   from spawning the job until its rank 0 *starts* its first step (the moment its first step's line
+   appears, less that step's own ``step_time_s`` from the job's metrics file): the time until training
+   resumes, as for the switch. The first step itself is ``restart_step_seconds``; the job's whole
+   life, exit included, is ``restart_job_seconds``. A job that fails is reported
+   (``restart_error``, its output on stderr) and the bench goes on: the failure is a finding about
+   the baseline, not about the switch.
+4. **DCP load** (``dcp_load_seconds``): a fresh trainer is built under B with the rank order the
+   switch will choose (the same pure plan; ``dcp_build_seconds``, not counted: the switch's column
+   includes building its own model, but a DCP resume could build its model on the meta device and
+   skip the random initialisation a `Trainer` does), then `checkpoint.load` fills it, barrier to
+   barrier. A digest of each of its tensors is kept and the trainer is dropped, so the bench never
+   holds two copies of B's state (the checkpoint is deleted too).
+5. **Online switch** (``switch_seconds``): `Trainer.prepare_switch(B, budget)` first (planning,
+   building B's meshes, its model and AdamW tensors with no storage behind them, and this rank's
+   program of the schedule: ``prepare_seconds``, not counted, as the training loop prepares each switch ahead while it trains and as the DCP column
+   does not count building B's trainer), then `Trainer.switch` after a barrier, the slowest rank's
+   `SwitchReport.seconds`: moving every byte, allocating the new pieces as they fill, building the
+   optimizer, the DDP wrapper or the pipeline schedule; ready for the next step. The switched state is
+   compared with the DCP-loaded one, bit for bit (``state_mismatches``: tensors that differ, over
+   all ranks, the RNG state counted once per rank; 0 is the only correct value).
+6. One training step on the switched trainer (``step_after_seconds``, not part of any column), to
+   show that training goes on.
+
+Before each transition every rank hands the memory its allocator keeps free back to the system
+(glibc's ``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed
+pieces of earlier transitions would otherwise count against the machine's memory twice.
+
+``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
+restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
+can finish before its busiest receiver has taken its bytes in at the rate the links give when every
+pair is busy. Local copies (``bytes_kept``) are not counted in it. Every time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import gc
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardshift.comm.p2p import Deadline, PeerOp, Transport
+from shardshift.launch import STORE_ENV
+from shardshift.layout import Layout
+from shardshift.reshard.plan import plan_transition
+from shardshift.runtime import init_distributed
+from shardshift.train import checkpoint
+from shardshift.train.config import TrainConfig
+from shardshift.train.data import load_tokens
+from shardshift.train.space import GPTSpace
+from shardshift.train.state import local
+from shardshift.train.trainer import Trainer
+from shardshift.units import format_size
+
+# Environment a launcher sets for its workers; the restart job must not inherit it, or its
+# `shardshift train` would take itself for a worker of the bench's job.
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDSHIFT_STORE", "MASTER_ADDR", "MASTER_PORT")
+_P2P_TAG = 1 << 20  # above any switch round's tag
+_DIGEST_CHUNK = 16 << 20  # bytes hashed at a time
+
+
+# Every kind of boundary on 4 ranks: replication to sharding, fsdp to fsdp x tp, tp to pipeline
+# stages, stages to replicas of shards, shards to tp, tp back to replication.
+DEFAULT_SUITE = "dp=4;fsdp=4;fsdp=2,tp=2;tp=2,pp=2;pp=4;dp=2,fsdp=2;tp=4;dp=4"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwitchBenchOptions:
+    """What `shardshift bench switch` runs; validated when built (ValueError says what to change)."""
+
+    chain: tuple[Layout, ...]  # the layouts walked, first to last
+    cfg: TrainConfig  # the run under chain[0]: one step under it, then one after each switch
+    nproc: int
+    budget: int  # bytes per switch round (see reshard/schedule.py)
+    p2p_bytes: int  # message size of the link-rate measurement, per ordered pair
+    p2p_reps: int = 3  # timed runs of the link-rate measurement (the best is kept)
+    restart: bool = True  # measure the checkpoint-and-restart column
+    timeout_s: float = 600.0  # the run's collective timeout; the restart job gets 90% of it
+    json: bool = False
+
+    def __post_init__(self) -> None:
+        from shardshift.reshard.schedule import MIN_BUDGET
+
+        if self.nproc < 2:
+            raise ValueError(f"--nproc {self.nproc}: a switch moves state between ranks; give --nproc >= 2")
+        if len(self.chain) < 2:
+            raise ValueError(f"the chain names {len(self.chain)} layout; a switch needs at least two")
+        for a, b in zip(self.chain, self.chain[1:]):
+            if a == b:
+                raise ValueError(f"the chain switches from {a} to itself; drop the repeated layout")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout {self.timeout_s} must be > 0 seconds")
+        if self.budget < MIN_BUDGET:
+            raise ValueError(f"--budget is {self.budget} bytes; give at least {MIN_BUDGET} (4K)")
+        assert self.cfg.layout == self.chain[0], (self.cfg.layout, self.chain)
+        for layout in self.chain:
+            layout.check_world(self.nproc)
+        for layout in self.chain[1:]:
+            self.cfg.with_layout(layout)  # refuses a layout the model or the batch cannot take
+
+
+class RestartFailed(RuntimeError):
+    """The fresh job did not get through its first step; `reason` is its error line."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    seconds: float  # spawn -> its rank 0 starts the first step (without the save)
+    step_seconds: float  # that first step
+    job_seconds: float  # spawn -> exit
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn, device: torch.device):
+    """(fn(), the slowest rank's seconds), all ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    dist.barrier()
+    return result, _max_over_ranks(time.perf_counter() - start, device)
+
+
+def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> float:
+    """Bytes per second one rank receives when every ordered pair exchanges `nbytes` at once."""
+    transport = Transport(dist.group.WORLD)
+    rank, world = transport.rank, transport.size
+    peers = [p for p in range(world) if p != rank]
+    send = torch.full((nbytes,), rank, dtype=torch.uint8, device=device)
+    inbox = {p: torch.empty(nbytes, dtype=torch.uint8, device=device) for p in peers}
+    best = float("inf")
+    for rep in range(reps + 1):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        # One round, as a switch posts it: every receive, then every send, before any wait.
+        tag = _P2P_TAG + rep
+        transport.post_round([PeerOp(p, send, tag) for p in peers], [PeerOp(p, inbox[p], tag) for p in peers],
+                             "measuring the link rate").wait(Deadline.after(timeout_s))
+        seconds = _max_over_ranks(time.perf_counter() - start, device)
+        if rep:
+            best = min(best, seconds)
+    for p, buf in inbox.items():  # a rate measured on garbage would be no rate
+        assert int(buf[0]) == p and int(buf[-1]) == p, f"rank {rank} received wrong bytes from {p}"
+    return (world - 1) * nbytes / best
+
+
+def _digests(trainer: Trainer) -> dict[str, bytes]:
+    """A digest of every logical tensor this rank holds (dtype, shape, every byte), by key.
+
+    Includes the global RNG state: call it right after a load or a switch.
+    """
+    # Bytes are hashed through a buffer of our own: `.numpy()` on the state itself would mark its
+    # storage not resizable, and a switch frees old state by resizing its storage to zero bytes.
+    buf = torch.empty(_DIGEST_CHUNK, dtype=torch.uint8)
+
+    def digest(t: torch.Tensor) -> bytes:
+        t = local(t).detach()
+        raw = t.reshape(-1).contiguous().view(torch.uint8)
+        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+        for start in range(0, raw.numel(), _DIGEST_CHUNK):
+            piece = raw[start : start + _DIGEST_CHUNK]
+            buf[: piece.numel()].copy_(piece)
+            h.update(buf[: piece.numel()].numpy())
+        return h.digest()
+
+    return {key: digest(tensor) for key, tensor in trainer.state.tensors().items()}
+
+
+def _mismatches(a: dict[str, bytes], b: dict[str, bytes]) -> int:
+    """Names whose digests differ, or that are not in both."""
+    return len(set(a) ^ set(b)) + sum(a[key] != b[key] for key in set(a) & set(b))
+
+
+def _restart(cfg: TrainConfig, path: Path, step: int, nproc: int, timeout_s: float, work: Path) -> Restart:
+    """Run `shardshift train --resume` under `cfg` for one step, as a fresh job (rank 0 only)."""
+    from shardshift.cli.train import train_argv
+
+    metrics, log = work / "restart-metrics.jsonl", work / "restart-stderr.txt"
+    metrics.unlink(missing_ok=True)
+    resumed = dataclasses.replace(cfg, stop_at=step + 1, resume=str(path), metrics=str(metrics))
+    argv = [sys.executable, "-m", "shardshift", *train_argv(resumed, nproc=nproc, timeout_s=timeout_s)]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    with open(log, "w") as err:
+        start = time.perf_counter()
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True)
+        watchdog = threading.Timer(timeout_s, job.terminate)  # its launcher then stops its workers
+        watchdog.start()
+        first_line = None
+        try:
+            for line in job.stdout:
+                if first_line is None and line.startswith("step "):
+                    first_line = time.perf_counter() - start
+            code = job.wait()
+        finally:
+            watchdog.cancel()
+        job_seconds = time.perf_counter() - start
+    if code != 0 or first_line is None or not metrics.is_file():
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line and "Traceback" not in line]
+        reason = errors[-1].split("]:")[-1].strip() if errors else f"exit code {code}"
+        tail = "\n".join(lines[-20:])
+        raise RestartFailed(f"the restart job {' '.join(argv[2:])} exited with code {code} without "
+                            f"finishing a step; its last output:\n{tail}", reason)
+    step_seconds = json.loads(metrics.read_text().splitlines()[0])["step_time_s"]
+    return Restart(first_line - step_seconds, step_seconds, job_seconds)
+
+
+def _scratch_parent() -> str | None:
+    """Where checkpoints go: the local launcher's temporary directory, which it removes when the
+    job ends even if a worker was killed (the `finally` below then never runs); else the system's."""
+    store = os.environ.get(STORE_ENV)
+    return os.path.dirname(store) if store else None
+
+
+def run_rank(opts: SwitchBenchOptions) -> int:
+    """One rank's part of the bench; rank 0 prints the report."""
+    proc = init_distributed(opts.timeout_s)
+    try:
+        records = run_switch_bench(opts, proc.rank, proc.device_type)
+    finally:
+        dist.destroy_process_group()
+    if proc.rank == 0:
+        report(opts, records, proc.device_type)
+    return 0
+
+
+def run_switch_bench(opts: SwitchBenchOptions, rank: int, device_type: str) -> list[dict]:
+    """Walk the chain; one record per transition, complete on rank 0."""
+    cfg, chain = opts.cfg, opts.chain
+    tokens = load_tokens(cfg.data)
+    trainer = Trainer(cfg, rank, device_type, tokens=tokens, timeout_s=opts.timeout_s)
+    trainer.train_step()  # AdamW state exists from here on
+    root = [tempfile.mkdtemp(prefix="shardshift-bench-switch-", dir=_scratch_parent()) if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    root = Path(root[0])
+    try:
+        return [_transition(trainer, after, tokens, root, opts) for after in chain[1:]]
+    finally:
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> dict:
+    """Steps 1 to 6 of the module's docstring for one transition; the record (complete on rank 0)."""
+    before, rank, device = trainer.cfg.layout, trainer.rank, trainer.par.device
+    _return_free_memory()
+    rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
+    path, save_s = _timed(lambda: checkpoint.save(trainer, str(root / "ckpt")), device)
+    restart, restart_error = None, None
+    if opts.restart:
+        if rank == 0:
+            try:
+                restart = _restart(trainer.cfg.with_layout(after), path, trainer.progress.step,
+                                   dist.get_world_size(), 0.9 * opts.timeout_s, root)
+            except RestartFailed as err:  # a finding about the baseline: reported, not fatal
+                print(f"shardshift: {before} -> {after}: {err}", file=sys.stderr, flush=True)
+                restart_error = err.reason
+        dist.barrier()  # the other ranks wait here, idle, while the fresh job runs
+
+    build_s, load_s, ranks, loaded = _dcp_reference(trainer, after, path, tokens)
+    if rank == 0:
+        shutil.rmtree(path)
+    steps_taken = trainer.progress.step
+    prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
+    dist.barrier()
+    report = trainer.switch(prepared)
+    switch_s = _max_over_ranks(report.seconds, device)
+    assert trainer.par.ranks == ranks, (trainer.par.ranks, ranks)
+    mismatches = torch.tensor([_mismatches(_digests(trainer), loaded)], device=device)
+    dist.all_reduce(mismatches)
+    result, step_s = _timed(trainer.train_step, device)
+    return {
+        "from": str(before),
+        "to": str(after),
+        "placed": report.new,  # the new layout and the rank order the switch chose
+        "steps_taken": steps_taken,  # optimizer steps before the switch
+        "switch_seconds": switch_s,
+        "prepare_seconds": report.prepare_seconds,
+        "dcp_seconds": save_s + load_s,
+        "dcp_save_seconds": save_s,
+        "dcp_load_seconds": load_s,
+        "dcp_build_seconds": build_s,
+        "restart_seconds": None if restart is None else save_s + restart.seconds,
+        "restart_step_seconds": None if restart is None else restart.step_seconds,
+        "restart_job_seconds": None if restart is None else restart.job_seconds,
+        "restart_error": restart_error,  # why the fresh job failed (rank 0), or None
+        "limit_seconds": report.max_bytes_received / rate,
+        "link_bytes_per_s": rate,
+        "bytes_moved": report.bytes_moved,
+        "bytes_kept": report.bytes_kept,
+        "bytes_lower_bound": report.bytes_lower_bound,
+        "bytes_total": report.bytes_total,
+        "max_bytes_received": report.max_bytes_received,
+        "rounds": report.rounds,
+        "budget": report.budget,
+        "peak_mem_bytes": report.peak_mem_bytes,
+        "extra_mem_bytes": report.extra_mem_bytes,
+        "state_mismatches": int(mismatches),
+        "step_after_seconds": step_s,
+        "loss_after": result.loss,
+    }
+
+
+def _return_free_memory() -> None:
+    """Collect garbage and ask glibc, where it is the allocator, to give free heap pages back."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+def _dcp_reference(trainer: Trainer, after: Layout, path: Path, tokens):
+    """Build a trainer under `after`, placed as the switch will place it; DCP-load `path` into it.
+
+    Returns the build's and the load's seconds, the rank order and the loaded state's digests; the
+    trainer itself is dropped.
+    """
+    device = trainer.par.device
+    cfg = trainer.cfg.with_layout(after)
+    ranks = plan_transition(GPTSpace(cfg.model, cfg.param_dtype), trainer.assignment, after).new.ranks
+
+    def build():  # `Trainer` seeds the global generator; the load restores the checkpoint's
+        return Trainer(cfg, trainer.rank, device.type, tokens=tokens, ranks=ranks)
+
+    built, build_s = _timed(build, device)
+    _, load_s = _timed(functools.partial(checkpoint.load, built, path), device)
+    loaded = _digests(built)
+    del built
+    gc.collect()  # its state goes before the switch builds the same layout's
+    return build_s, load_s, ranks, loaded
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _geomean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _size(nbytes: float) -> str:
+    return format_size(nbytes, digits=2).replace(" ", "").removesuffix("iB")
+
+
+def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> None:
+    """Add the ratios to every record and print them: one JSON object, or the table."""
+    cfg = opts.cfg
+    for r in records:
+        r["dcp_over_switch"] = _ratio(r["dcp_seconds"], r["switch_seconds"])
+        r["restart_over_switch"] = _ratio(r["restart_seconds"], r["switch_seconds"])
+        r["switch_over_limit"] = _ratio(r["switch_seconds"], r["limit_seconds"])
+    means = {key: _geomean([r[key] for r in records])
+             for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit")}
+    if opts.json:
+        print(json.dumps({
+            "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
+            "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
+            "budget": records[0]["budget"], "transitions": records, "geomean": means,
+        }))
+        return
+    print(f"model {cfg.model_name} ({cfg.model.num_params():,} parameters, {cfg.dtype}), {opts.nproc} "
+          f"{device_type} ranks, budget {_size(records[0]['budget'])} per round; seconds, slowest rank")
+    head = (f"{'transition':<28}{'switch':>8}{'dcp':>8}{'restart':>9}{'limit':>8} |{'dcp/sw':>8}"
+            f"{'rst/sw':>8}{'sw/lim':>8} |{'moved':>9}{'of all':>9}{'peak':>9}{'extra':>9}{'link/s':>9}{'bad':>4}")
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        restart = "failed" if r.get("restart_error") else _fmt(r["restart_seconds"], ".2f")
+        print(f"{r['from'] + ' -> ' + r['to']:<28}{r['switch_seconds']:>8.2f}{r['dcp_seconds']:>8.2f}"
+              f"{restart:>9}{r['limit_seconds']:>8.2f} |"
+              f"{_fmt(r['dcp_over_switch'], '.2f'):>8}{_fmt(r['restart_over_switch'], '.2f'):>8}"
+              f"{_fmt(r['switch_over_limit'], '.2f'):>8} |{_size(r['bytes_moved']):>9}"
+              f"{_size(r['bytes_total']):>9}{_size(r['peak_mem_bytes']):>9}{_size(r['extra_mem_bytes']):>9}"
+              f"{_size(r['link_bytes_per_s']):>9}{r['state_mismatches']:>4}")
+    print("-" * len(head))
+    print(f"{'geometric mean':<61}|{_fmt(means['dcp_over_switch'], '.2f'):>8}"
+          f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8} |")
+    for r in records:
+        if r.get("restart_error"):
+            print(f"restart failed for {r['from']} -> {r['to']}: {r['restart_error']}")

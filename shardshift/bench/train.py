@@ -1,0 +1,153 @@
+"""`shardshift bench train`: throughput of ShardShift layouts beside plain PyTorch DDP, measured in
+the same processes.
+
+    shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4;tp=4'
+
+Every variant trains the same model on the same batches with the same optimizer. The variants take
+turns: after a warm-up, each round runs `steps` steps of every variant in order, so slow drifts of a
+noisy machine hit them all alike. Tokens/s are computed from the summed time of each variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shardshift.layout import Layout
+from shardshift.runtime import init_distributed
+from shardshift.train.config import TrainConfig
+from shardshift.train.data import BatchStream, load_tokens
+from shardshift.train.model import GPT, init_value, loss_fn
+from shardshift.train.optim import build_optimizer
+from shardshift.train.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainBenchOptions:
+    """What `shardshift bench train` runs; validated when built (ValueError says what to change)."""
+
+    base: TrainConfig  # model, dtype, batch, seed; its layout is the one compared with DDP
+    also: tuple[Layout, ...] = ()  # more layouts reported beside it
+    nproc: int = 4
+    steps: int = 3  # timed steps per variant per round
+    rounds: int = 3
+    warmup: int = 2  # untimed steps per variant first
+    timeout_s: float = 600.0
+    json: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup {self.warmup} must be >= 0")
+        if self.base.steps < self.warmup + self.steps * self.rounds:
+            raise ValueError(f"the run's --steps {self.base.steps} is shorter than the bench's "
+                             f"{self.warmup + self.steps * self.rounds} steps per variant")
+        for layout in self.layouts:
+            layout.check_world(self.nproc)
+            self.base.with_layout(layout)  # refuses a layout the model or the batch cannot take
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]:
+        return (self.base.layout, *self.also)
+
+
+class PlainDDP:
+    """The baseline: the whole model on every rank, wrapped in `DistributedDataParallel`."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, device: torch.device, stream: BatchStream):
+        self.cfg, self.rank, self.stream = cfg, rank, stream
+        self.world = dist.get_world_size()
+        model = GPT(cfg.model).to(cfg.param_dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(init_value(cfg.model, name, param.shape, param.dtype, cfg.seed))
+        self.model = DistributedDataParallel(model.to(device))
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.device = device
+        self.position = 0
+
+    def train_step(self) -> None:
+        inputs, targets = self.stream.batch(self.position, self.rank, self.world)
+        with self.cfg.autocast(self.device.type):
+            loss = loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
+            loss.backward()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss.detach())  # the global loss, as ShardShift's step reports it
+        self.position += self.cfg.global_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    name: str  # "ddp" or a layout
+    steps: int
+    seconds: float
+    tokens_per_s: float
+
+
+def run_rank(opts: TrainBenchOptions) -> int:
+    """One rank's part of the bench; rank 0 prints the report."""
+    proc = init_distributed(opts.timeout_s)
+    try:
+        results = run_bench(opts, proc.rank, proc.device_type)
+    finally:
+        dist.destroy_process_group()
+    if proc.rank == 0:
+        report(opts, results, proc.device_type)
+    return 0
+
+
+def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Throughput]:
+    """DDP and every layout of `opts`, measured in turns (see the module docstring)."""
+    base, steps, rounds, warmup = opts.base, opts.steps, opts.rounds, opts.warmup
+    tokens = load_tokens(base.data)
+    variants: dict[str, object] = {}
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    stream = BatchStream(tokens, base.model.seq_len, base.global_batch, base.seed)
+    variants["ddp"] = PlainDDP(base, rank, device, stream)
+    for layout in opts.layouts:
+        variants[str(layout)] = Trainer(base.with_layout(layout), rank, device_type, tokens=tokens)
+    seconds = dict.fromkeys(variants, 0.0)
+    for name, variant in variants.items():
+        for _ in range(warmup):
+            variant.train_step()
+    for _ in range(rounds):
+        for name, variant in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                variant.train_step()
+            dist.barrier()
+            seconds[name] += time.perf_counter() - start
+    total = steps * rounds
+    return [
+        Throughput(name, total, seconds[name], total * base.tokens_per_step / seconds[name])
+        for name in variants
+    ]
+
+
+def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str) -> None:
+    ddp = results[0]
+    rows = [
+        {"impl": r.name, "tokens_per_s": r.tokens_per_s, "seconds": r.seconds, "steps": r.steps,
+         "ratio_vs_ddp": r.tokens_per_s / ddp.tokens_per_s}
+        for r in results
+    ]
+    base = opts.base
+    if opts.json:
+        print(json.dumps({"model": base.model_name, "nproc": opts.nproc, "device": device_type, "rows": rows}))
+        return
+    print(f"model {base.model_name}, {opts.nproc} {device_type} ranks, global batch {base.global_batch}, "
+          f"{ddp.steps} timed steps per variant")
+    print(f"{'impl':<16}{'tokens/s':>12}{'vs DDP':>9}")
+    for row in rows:
+        print(f"{row['impl']:<16}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}")

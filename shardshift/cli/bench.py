@@ -1,0 +1,291 @@
+"""`shardshift bench ...`: argument parsing of the benchmarks; what they run is in `shardshift.bench`.
+
+    shardshift bench train --nproc 4 --layout dp=4          # tokens/s beside plain DDP
+    shardshift bench switch --nproc 4 --suite               # online switch vs DCP vs restart vs the limit
+    shardshift bench packing                                # tree packings vs their bounds
+    shardshift bench collectives --op allreduce --nproc 4   # gloo vs ring vs trees vs auto
+
+Each parser builds the bench's typed options, which refuse bad input before any process starts
+(exit 2 with one line). A multi-process bench then starts its ranks through `shardshift.launch`;
+each rank runs the same command again, finds itself a rank of a job, and runs its part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from shardshift.cli.topo import add_topology_arguments, topology_from_args
+from shardshift.collectives.planning.ops import Collective
+from shardshift.layout import Layout
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    benches = parser.add_subparsers(dest="bench", required=True)
+    _add_train(benches)
+    _add_switch(benches)
+    _add_packing(benches)
+    _add_collectives(benches)
+
+
+def _refused(build: Callable[[], object]):
+    """(options, None), or (None, 2) after printing the error of input `build` refused."""
+    try:
+        return build(), None
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return None, 2
+
+
+def _job(args: argparse.Namespace, build: Callable[[], object], rank_main: Callable[[object], int],
+         start: Callable[[object, list[str]], int] | None = None) -> int:
+    """Run a multi-process bench: as a rank, its part; else start its ranks, each running the
+    same command (`start(opts, argv)`, by default `nproc` local ranks through the launcher)."""
+    from shardshift.runtime import in_worker
+
+    opts, code = _refused(build)
+    if opts is None:
+        return code
+    if in_worker():
+        return rank_main(opts)
+    if start is None:
+        from shardshift.launch import launch
+
+        return launch(opts.nproc, args.argv)
+    try:
+        return start(opts, args.argv)
+    except ValueError as err:  # e.g. an emulated network that cannot be built here
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _layouts(text: str) -> tuple[Layout, ...]:
+    return tuple(Layout.parse(part) for part in text.split(";") if part.strip())
+
+
+# ---- train ----------------------------------------------------------------------------------------
+
+def _add_train(benches) -> None:
+    p = benches.add_parser("train", help="tokens/s of layouts vs plain PyTorch DDP, side by side")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--layout", default="dp=4", help="the layout compared with DDP")
+    p.add_argument("--also", default="fsdp=4;tp=4;pp=4;fsdp=2,tp=2",
+                   help="more layouts reported beside it, separated by ';' (empty for none)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=_run_train)
+
+
+def _train_options(args: argparse.Namespace):
+    from shardshift.bench.train import TrainBenchOptions
+    from shardshift.train.config import TrainConfig, model_config
+
+    base = TrainConfig(layout=Layout.parse(args.layout), model=model_config(args.model), model_name=args.model,
+                       steps=args.warmup + args.steps * args.rounds, dtype=args.dtype,
+                       global_batch=args.global_batch)
+    return TrainBenchOptions(base=base, also=_layouts(args.also), nproc=args.nproc, steps=args.steps,
+                             rounds=args.rounds, warmup=args.warmup, timeout_s=args.timeout, json=args.json)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from shardshift.bench.train import run_rank
+
+    return _job(args, lambda: _train_options(args), run_rank)
+
+
+# ---- switch ---------------------------------------------------------------------------------------
+
+def _add_switch(benches) -> None:
+    from shardshift.bench.switch import DEFAULT_SUITE
+
+    p = benches.add_parser("switch", help="online layout switch vs DCP vs restart vs the link limit")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--from", dest="source", default=None, help="the layout switched from, e.g. dp=4")
+    p.add_argument("--to", dest="target", default=None, help="the layout switched to, e.g. fsdp=2,tp=2")
+    p.add_argument("--suite", nargs="?", const=DEFAULT_SUITE, default=None,
+                   help=f"a chain of layouts separated by ';', each switched to from the one before "
+                        f"(default, for 4 ranks: {DEFAULT_SUITE})")
+    p.add_argument("--model", default="base", help="model size: test, tiny, small, medium, base")
+    p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
+    p.add_argument("--global-batch", type=int, default=8,
+                   help="sequences per step (8 is the least pp=4 takes with its 8 micro-batches)")
+    p.add_argument("--budget", default="256M", help="bytes a rank moves per switch round, e.g. 64M")
+    p.add_argument("--p2p-size", default="64M", help="message per ordered rank pair in the link-rate measurement")
+    p.add_argument("--no-restart", dest="restart", action="store_false",
+                   help="skip the restart column (it starts a fresh job per transition: the slow part)")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"transitions": [...], ...}')
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
+    p.set_defaults(func=_run_switch)
+
+
+def _chain(args: argparse.Namespace) -> tuple[Layout, ...]:
+    from shardshift.bench.switch import DEFAULT_SUITE
+
+    if args.suite is not None:
+        if args.source is not None or args.target is not None:
+            raise ValueError("give either --suite or --from and --to, not both")
+        if args.suite == DEFAULT_SUITE and args.nproc != 4:
+            raise ValueError(f"the default suite is for 4 ranks, not --nproc {args.nproc}; give a chain "
+                             f"of layouts of {args.nproc} ranks, e.g. --suite 'dp={args.nproc};fsdp={args.nproc}'")
+        return _layouts(args.suite)
+    if args.source is None or args.target is None:
+        raise ValueError("give --from LAYOUT and --to LAYOUT, or --suite for the default chain")
+    return Layout.parse(args.source), Layout.parse(args.target)
+
+
+def _switch_options(args: argparse.Namespace):
+    from shardshift.bench.switch import SwitchBenchOptions
+    from shardshift.train.config import TrainConfig, model_config
+    from shardshift.units import parse_size
+
+    if args.nproc < 2:
+        raise ValueError(f"--nproc {args.nproc}: a switch moves state between ranks; give --nproc >= 2")
+    chain = _chain(args)
+    if len(chain) < 2:
+        raise ValueError(f"--suite {args.suite!r} names {len(chain)} layout; a switch needs at least two")
+    chain[0].check_world(args.nproc)
+    # One step under the first layout, then one after each switch: the LR schedule's horizon.
+    cfg = TrainConfig(layout=chain[0], model=model_config(args.model), model_name=args.model,
+                      steps=len(chain), dtype=args.dtype, global_batch=args.global_batch)
+    return SwitchBenchOptions(chain=chain, cfg=cfg, nproc=args.nproc, budget=parse_size(args.budget, "--budget"),
+                              p2p_bytes=parse_size(args.p2p_size, "--p2p-size"), restart=args.restart,
+                              timeout_s=args.timeout, json=args.json)
+
+
+def _run_switch(args: argparse.Namespace) -> int:
+    from shardshift.bench.switch import run_rank
+
+    return _job(args, lambda: _switch_options(args), run_rank)
+
+
+# ---- packing --------------------------------------------------------------------------------------
+
+def _add_packing(benches) -> None:
+    p = benches.add_parser("packing", help="tree packing vs bounds on DGX-1 subsets and large topologies")
+    p.add_argument("--sizes", default="3:8", help="DGX-1 subset sizes, 'lo:hi' inclusive (default 3:8)")
+    p.add_argument("--pcie", action="store_true", help="include the PCIe/QPI fallback (all subsets)")
+    p.add_argument("--ops", default=",".join(op.value for op in Collective), help="comma-separated ops (default: all five)")
+    p.add_argument("--limit", type=int, default=0, help="at most this many DGX-1 subsets (0: all)")
+    p.add_argument("--skip-large", action="store_true", help="skip the 256-host multiplicative-weights case")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_packing)
+
+
+def _packing_options(args: argparse.Namespace):
+    from shardshift.bench.packing import PackingBenchOptions
+
+    lo, sep, hi = args.sizes.partition(":")
+    try:
+        sizes = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"--sizes {args.sizes!r}: give subset sizes 'lo:hi', e.g. 3:8") from None
+    ops = tuple(Collective.parse(op) for op in args.ops.split(",") if op.strip())
+    return PackingBenchOptions(sizes=sizes, pcie=args.pcie, ops=ops, limit=args.limit,
+                               skip_large=args.skip_large, json=args.json)
+
+
+def _run_packing(args: argparse.Namespace) -> int:
+    from shardshift.bench.packing import run
+
+    opts, code = _refused(lambda: _packing_options(args))
+    return code if opts is None else run(opts)
+
+
+# ---- collectives ----------------------------------------------------------------------------------
+
+def _add_collectives(benches) -> None:
+    from shardshift.bench.collectives import DTYPES, IMPLS, REDOPS
+    from shardshift.collectives.execution.program import (
+        CHUNK_SECONDS,
+        MAX_CHUNKS_PER_TREE,
+        MAX_CHUNKS_TOTAL,
+        MIN_CHUNK_BYTES,
+    )
+
+    p = benches.add_parser("collectives", help="gloo vs ring vs packed trees, nccl-tests style")
+    p.add_argument("--op", required=True, choices=[op.value for op in Collective])
+    p.add_argument("--sizes", default="1M:64M",
+                   help="bytes: LO:HI (powers of two, like nccl-tests -b LO -e HI -f 2) or a "
+                        "comma list; units K, M, G (of 1024)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: the topology's)")
+    add_topology_arguments(p)
+    p.add_argument("--emulate", action="store_true", help="run the ranks on emulated links (root)")
+    p.add_argument("--probe", action="store_true",
+                   help="pack ring and trees on the topology the ranks measure (topology/probe.py); the "
+                        "bound printed is the probed topology's")
+    p.add_argument("--emulate-scale", default="auto",
+                   help="emulated rate = topology pair rate × this; 'auto' maps the fastest pair to 1 Gbit/s")
+    p.add_argument("--tcp-slow-start-after-idle", action="store_true",
+                   help="emulate: keep the kernel's default of restarting TCP slow start after an idle period")
+    p.add_argument("--root", type=int, default=0, help="root of broadcast / reduce")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--redop", default="sum", choices=REDOPS)
+    p.add_argument("--iters", type=int, default=3, help="timed rounds per size (median reported)")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma list of gloo, ring, trees, auto")
+    p.add_argument("--mode", default=None, choices=["dataflow", "stepped"], help="tree executor mode")
+    p.add_argument("--min-chunk-bytes", type=int, default=MIN_CHUNK_BYTES,
+                   help="pipeline chunk floor, per tree a chunk crosses (an all-reduce chunk crosses two)")
+    p.add_argument("--max-chunks", type=int, default=MAX_CHUNKS_PER_TREE, help="pipeline chunks per tree, at most")
+    p.add_argument("--max-total-chunks", type=int, default=MAX_CHUNKS_TOTAL,
+                   help="pipeline chunks over all pieces together, at most (an all-reduce piece is a tree pair)")
+    p.add_argument("--chunk-seconds", type=float, default=CHUNK_SECONDS,
+                   help="aimed time of one pipeline chunk at the packing's rate")
+    p.add_argument("--window", type=int, default=4, help="messages posted ahead per queue (peer, tree, direction)")
+    p.add_argument("--keep", type=float, default=0.995,
+                   help="packing: cut trees while keeping >= this fraction of the solved rate")
+    p.add_argument("--max-trees", type=int, default=None, help="packing: at most this many trees")
+    p.add_argument("--depth", choices=["auto", "any", "shallow"], default="auto",
+                   help="packing: tree depth (auto, any, shallow; see `shardshift topo pack`)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    p.set_defaults(func=_run_collectives)
+
+
+def _collectives_options(args: argparse.Namespace):
+    from shardshift.bench.collectives import CollectivesBenchOptions
+    from shardshift.collectives.execution.runner import RunOptions
+    from shardshift.collectives.planning.packing import PackOptions
+    from shardshift.netemu.topology import auto_scale, scaled
+    from shardshift.units import parse_size_list
+
+    topology = None
+    if args.preset is None and args.topology is None:
+        if args.nproc is None:
+            raise ValueError("give --nproc N, or a topology (--preset / --topology) to take it from")
+    else:
+        if args.preset in ("ring", "full") and args.ranks is None:
+            args.ranks = args.nproc
+        if args.preset == "fat-tree" and args.hosts is None:
+            args.hosts = args.nproc
+        topology = topology_from_args(args)
+    scale = 1.0
+    if args.emulate and topology is not None:
+        scale = auto_scale(topology) if args.emulate_scale == "auto" else float(args.emulate_scale)
+        if scale != 1.0:
+            topology = scaled(topology, scale)  # what the emulated network is: plans see its rates
+    pack = PackOptions(keep=args.keep, max_trees=args.max_trees, depth=args.depth)
+    run = RunOptions(mode=args.mode, timeout_s=args.timeout, window=args.window, min_chunk_bytes=args.min_chunk_bytes,
+                     max_chunks_per_tree=args.max_chunks, max_chunks_total=args.max_total_chunks,
+                     chunk_seconds=args.chunk_seconds, pack_options=pack)
+    return CollectivesBenchOptions(
+        op=Collective.parse(args.op), sizes=tuple(parse_size_list(args.sizes, "--sizes")),
+        nproc=args.nproc if args.nproc is not None else topology.num_ranks, topology=topology,
+        impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()), root=args.root, dtype=args.dtype,
+        redop=args.redop, iters=args.iters, run=run, emulate=args.emulate, emulate_scale=scale,
+        tcp_slow_start_after_idle=args.tcp_slow_start_after_idle, probe=args.probe, timeout_s=args.timeout,
+        json=args.json,
+    )  # fmt: skip
+
+
+def _run_collectives(args: argparse.Namespace) -> int:
+    from shardshift.bench import collectives, collectives_rank
+
+    return _job(args, lambda: _collectives_options(args), collectives_rank.run, collectives.run)

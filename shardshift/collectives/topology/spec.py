@@ -1,0 +1,88 @@
+"""A topology named in one string (backend option, environment variable), and topologies passed
+between processes as plain JSON-able dicts.
+
+Spec strings, sized to a group of n ranks (`topology_from_spec(spec, n)`):
+
+    full            every ordered pair linked at 1 Gbit/s (the backend's default: no measuring, and
+                    every rank treated alike)
+    full:RATE       the same at RATE, e.g. full:10Gbit/s or full:25e9 (bytes/s)
+    ring, ring:RATE bidirectional ring in rank order
+    dgx1v           the first n GPUs of a DGX-1 (V100) with the PCIe/QPI fallback
+    dgx1v:0,2,3,5   those GPUs, rank i on the i-th listed (n of them)
+    fat-tree        a two-level fat tree with n hosts (presets.fat_tree defaults)
+    probe           measured on the running group: the caller runs probe.probe_topology
+    PATH            a YAML file in the format of docs/topology.md (n ranks)
+
+The same topology must be given to every rank: packings are computed on each rank and compared
+(runner.py checks a digest of every plan across ranks before it first runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from shardshift.collectives.topology.io import load_topology, topology_from_dict
+from shardshift.collectives.topology.model import Topology
+from shardshift.collectives.topology.presets import dgx1v, fat_tree, full, ring
+from shardshift.units import parse_rate
+
+PROBE = "probe"
+DEFAULT_SPEC = "full"
+
+
+def is_probe(spec: str) -> bool:
+    return spec.strip().lower() == PROBE
+
+
+def topology_from_spec(spec: str, num_ranks: int) -> Topology:
+    """The topology named by `spec` for a group of `num_ranks` ranks (see module docstring)."""
+    text = spec.strip()
+    name, _, arg = text.partition(":")
+    key = name.lower().replace("_", "-")
+    try:
+        if key == "full":
+            return full(num_ranks, **({"bandwidth": parse_rate(arg)} if arg else {}))
+        if key == "ring":
+            if num_ranks < 2:
+                return full(num_ranks)
+            return ring(num_ranks, **({"bandwidth": parse_rate(arg)} if arg else {}))
+        if key == "dgx1v":
+            gpus = [int(g) for g in arg.split(",") if g.strip()] if arg else list(range(num_ranks))
+            topology = dgx1v(gpus)
+        elif key == "fat-tree":
+            topology = fat_tree(num_ranks)
+        elif key == PROBE:
+            raise ValueError("'probe' is measured on a running group: call probe.probe_topology(group)")
+        elif os.path.exists(text):
+            topology = load_topology(text)
+        else:
+            raise ValueError(f"no file {text!r}")
+    except ValueError as err:
+        raise ValueError(f"topology {spec!r}: {err}; give full[:RATE], ring[:RATE], dgx1v[:GPUS], "
+                         "fat-tree, probe, or the path of a YAML topology file") from None  # fmt: skip
+    if topology.num_ranks != num_ranks:
+        raise ValueError(f"topology {spec!r} has {topology.num_ranks} ranks but the group has {num_ranks}; "
+                         f"give one rank per group member (e.g. dgx1v:{','.join(map(str, range(num_ranks)))})")
+    return topology
+
+
+def topology_to_dict(topology: Topology) -> dict:
+    """A JSON-able mapping that `topology_from_dict` (topology_io.py) reads back to an equal
+    Topology: names, links with rates in bytes/s, latencies in seconds."""
+    n, names = topology.num_ranks, topology.names
+    out: dict = {
+        "name": topology.name,
+        "ranks": list(names[:n]),
+        "switches": list(names[n:]),
+        "links": [{"from": names[l.src], "to": names[l.dst], "bandwidth": l.capacity,
+                   "latency": l.latency} for l in topology.links],  # fmt: skip
+    }
+    if topology.link_unit is not None:
+        out["link_unit"] = topology.link_unit
+    return out
+
+
+def topology_from_plain(data: Mapping) -> Topology:
+    """Inverse of `topology_to_dict`."""
+    return topology_from_dict(data)

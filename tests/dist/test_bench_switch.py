@@ -1,0 +1,57 @@
+"""`shardshift bench switch`: bad input is refused before launch; a small chain runs end to end.
+
+No timing is asserted: the run checks that every column is there, that byte and memory figures are
+consistent with one another, and that every switched state equals what DCP gives (the bench's own
+bit-for-bit check).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from support import REPO
+
+
+
+
+def test_bad_layout_from_the_shell_exits_2():
+    run = subprocess.run(
+        [sys.executable, "-m", "shardshift", "bench", "switch", "--nproc", "4", "--from", "dp=4", "--to", "dp=2"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 2
+    assert "layout dp=2 has 2 ranks (product of its degrees) but 4 processes were asked for" in run.stderr
+
+
+def test_small_chain_reports_every_column():
+    chain = ["dp=2", "fsdp=2", "tp=2"]
+    run = subprocess.run(
+        [sys.executable, "-m", "shardshift", "bench", "switch", "--nproc", "2", "--model", "test",
+         "--suite", ";".join(chain), "--budget", "16K", "--p2p-size", "256K", "--json", "--timeout", "200"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    rows = out["transitions"]
+    assert [(r["from"], r["to"]) for r in rows] == list(zip(chain, chain[1:]))
+    for i, r in enumerate(rows):
+        assert r["steps_taken"] == i + 1  # one step before the first switch, one after each
+        assert r["state_mismatches"] == 0, r  # the switched state is DCP's, bit for bit
+        assert r["restart_error"] is None, (r["restart_error"], run.stderr[-3000:])
+        for key in ("switch_seconds", "dcp_save_seconds", "dcp_load_seconds", "dcp_build_seconds",
+                    "restart_step_seconds", "restart_job_seconds", "link_bytes_per_s", "step_after_seconds"):
+            assert r[key] > 0, (key, r)
+        assert r["dcp_seconds"] == pytest.approx(r["dcp_save_seconds"] + r["dcp_load_seconds"])
+        assert r["restart_seconds"] > r["dcp_save_seconds"]  # the save, then a whole fresh job
+        assert r["bytes_moved"] == r["bytes_lower_bound"] <= r["bytes_total"]
+        assert r["bytes_moved"] + r["bytes_kept"] == r["bytes_total"]
+        assert 0 <= r["max_bytes_received"] <= r["bytes_moved"]
+        assert r["limit_seconds"] == pytest.approx(r["max_bytes_received"] / r["link_bytes_per_s"])
+        assert r["budget"] == 16 << 10 and r["rounds"] >= 1
+        assert r["peak_mem_bytes"] > 0 and 0 <= r["extra_mem_bytes"] < r["peak_mem_bytes"]
+        assert math.isfinite(r["loss_after"])
+    # Not vacuous: replicas to shards keeps every byte local, shards to tp must move some.
+    assert rows[0]["bytes_moved"] == 0 and rows[1]["bytes_moved"] > 0 and rows[1]["rounds"] > 1
+    assert rows[1]["switch_over_limit"] > 0 and out["geomean"]["restart_over_switch"] > 0

@@ -1,0 +1,41 @@
+"""The same entry point runs under torchrun (its rendezvous on a free port: --standalone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _losses(path) -> list[float]:
+    return [record["loss"] for record in map(json.loads, open(path)) if "loss" in record]
+
+
+def test_torchrun_matches_the_local_launcher(tmp_path):
+    common = ["train", "--model", "test", "--dtype", "float64", "--steps", "3", "--global-batch", "4",
+              "--log-every", "0"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    under_torchrun = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", *common,
+         "--layout", "tp=2", "--switch", "2:fsdp=2", "--switch", "3:pp=2",
+         "--metrics", str(tmp_path / "torchrun.jsonl")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert under_torchrun.returncode == 0, under_torchrun.stderr[-3000:]
+    local = subprocess.run(
+        [sys.executable, "-m", "shardshift", *common, "--nproc", "1",
+         "--metrics", str(tmp_path / "local.jsonl")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert local.returncode == 0, local.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "torchrun.jsonl")]
+    # Rank 0 alone wrote the metrics; the layout was switched online twice under torchrun.
+    assert [r.get("layout", r.get("event")) for r in records] == ["tp=2", "switch", "fsdp=2", "switch", "pp=2"]
+    torch.testing.assert_close(
+        torch.tensor(_losses(tmp_path / "torchrun.jsonl"), dtype=torch.float64),
+        torch.tensor(_losses(tmp_path / "local.jsonl"), dtype=torch.float64), rtol=1e-9, atol=0,
+    )

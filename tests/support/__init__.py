@@ -1,0 +1,7 @@
+"""Helpers shared by the tests: real process groups (`dist`), an in-process group (`local_group`),
+emulated networks (`netns`), training runs to compare (`training`), and where things are."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # the repository's root: commands run from there
+DOCS = REPO / "docs"

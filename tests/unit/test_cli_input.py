@@ -1,0 +1,83 @@
+"""Bad input on the command line gets one line saying what to change and exit status 2, before any
+process starts (these tests run `main` in the test process; no launcher is reached)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shardshift.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def _not_a_worker(monkeypatch):
+    """Run as a user's shell would: not as a rank of a job."""
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--nproc", "4", "--layout", "dp=3"], "layout dp=3 has 3 ranks .* but 4 processes"),
+        (["--nproc", "3", "--layout", "tp=3"], "tp=3 does not divide n_head=8"),
+        (["--nproc", "16", "--layout", "pp=16"], "pp=16 is larger than the number of layers n_layer=8"),
+        (["--layout", "xp=2"], "unknown axis 'xp'"),
+        (["--layout", "dp=-1"], "dp=-1"),
+        (["--layout", "dp=2", "--global-batch", "3"], "--global-batch 3 does not split among dp\\*fsdp=2"),
+        (["--dtype", "float16"], "--dtype 'float16' is not supported"),
+        (["--model", "huge"], "--model 'huge' is unknown"),
+        (["--steps", "0"], "--steps 0 must be >= 1"),
+        (["--resume", "/nonexistent/ckpt"], "--resume /nonexistent/ckpt: no such directory"),
+        (["--data", "/nonexistent/text.txt"], "--data /nonexistent/text.txt: no such file"),
+        (["--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["--switch", "fsdp=4"], "--switch 'fsdp=4' is not STEP:LAYOUT"),
+        (["--switch", "10:dp=2"], "--switch 10:dp=2 has 2 ranks but the job has 4"),
+        (["--switch", "10:tp=3,dp=1"], "unknown axis|has 3 ranks"),
+        (["--switch", "10:pp=4", "--global-batch", "4"], "--switch 10:pp=4: .*micro-batches|--switch 10:pp=4"),
+        (["--switch", "60:fsdp=4"], "switch steps must increase and lie in \\[1, --steps 50\\]"),
+        (["--switch", "20:fsdp=4", "--switch", "10:dp=4"], "switch steps must increase"),
+        (["--nproc", "3", "--layout", "dp=3", "--global-batch", "3", "--switch", "10:tp=3"],
+         "--switch 10:tp=3: tp=3 does not divide n_head=8"),
+        (["--switch-budget", "1K"], "--switch-budget 1024 bytes is too small"),
+    ],
+)
+def test_train_refuses_bad_input_before_any_process_starts(args, needle, capsys, monkeypatch):
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardshift: error: ")
+    assert re.search(needle, err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "4", "--from", "dp=4", "--to", "dp=3"], "layout dp=3 has 3 ranks"),
+    (["--nproc", "8", "--from", "dp=8", "--to", "tp=8"], "tp=8 does not divide n_head=12"),
+    (["--nproc", "4", "--from", "dp=4", "--to", "xp=4"], "unknown axis 'xp'"),
+    (["--nproc", "4", "--from", "dp=4"], "give --from LAYOUT and --to LAYOUT"),
+    (["--nproc", "4", "--suite", "--from", "dp=4", "--to", "tp=4"], "either --suite or --from and --to"),
+    (["--nproc", "2", "--suite"], "the default suite is for 4 ranks"),
+    (["--nproc", "4", "--suite", "dp=4;dp=4"], "from dp=4 to itself"),
+    (["--nproc", "4", "--suite", "dp=4;pp=4", "--global-batch", "4"], "does not split into --micro-batches 8"),
+    (["--nproc", "1", "--suite", "dp=1;fsdp=1"], "give --nproc >= 2"),
+    (["--nproc", "4", "--suite", "--budget", "1K"], "give at least 4096"),
+    (["--nproc", "4", "--suite", "--model", "huge"], "--model 'huge' is unknown"),
+])
+def test_bench_switch_refuses_bad_input_before_any_process_starts(argv, message, capsys, monkeypatch):
+    assert main(["bench", "switch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardshift: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "allreduce"], "give --nproc N"),
+    (["--op", "allreduce", "--nproc", "3", "--emulate"], "--emulate needs a topology"),
+    (["--op", "broadcast", "--preset", "dgx1v", "--gpus", "0,1,2", "--nproc", "4"], "topology has 3 ranks"),
+    (["--op", "allgather", "--nproc", "2", "--impls", "gloo,nccl"], "choose from gloo, ring, trees, auto"),
+    (["--op", "allgather", "--nproc", "2", "--sizes", "0"], "at least 1 byte"),
+    (["--op", "allreduce", "--nproc", "2", "--keep", "1.5"], "give a fraction in (0, 1]"),
+    (["--op", "allreduce", "--nproc", "2", "--max-trees", "0"], "max_trees=0: give at least 1"),
+])
+def test_bench_collectives_refuses_bad_input_before_any_process_starts(argv, message, capsys):
+    assert main(["bench", "collectives", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,190 @@
+"""Topologies: validation, presets, YAML files, point-to-point pair rates."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardshift.collectives.topology.io import load_topology, topology_from_dict
+from shardshift.collectives.topology.model import Link, Topology, pair_rates
+from shardshift.collectives.topology.presets import DGX1V_NVLINKS, dgx1v, fat_tree, full, preset, ring
+
+GB = 1e9
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "build, needle",
+    [
+        (lambda: Link(0, 0, 1.0), "self-loop"),
+        (lambda: Link(0, 1, 0.0), "capacity 0.0"),
+        (lambda: Link(0, 1, float("inf")), "finite rate"),
+        (lambda: Link(0, 1, 1.0, -1.0), "latency"),
+        (lambda: Link(-1, 1, 1.0), "node id"),
+        (lambda: Topology(0, ()), "at least 1 compute rank"),
+        (lambda: Topology(2, (Link(0, 1, 1.0), Link(0, 1, 2.0))), "merge parallel links"),
+        (lambda: Topology(2, (Link(0, 2, 1.0),)), r"nodes 0\.\.1"),
+        (lambda: Topology(2, (Link(0, 1, 1.0),), names=("a",)), "one per node"),
+        (lambda: Topology(2, (Link(0, 1, 1.0),), names=("a", "a")), "distinct"),
+        (lambda: Topology(2, (), num_switches=-1), "num_switches"),
+    ],
+)
+def test_bad_topologies_are_refused_with_a_reason(build, needle):
+    with pytest.raises(ValueError, match=needle):
+        build()
+
+
+def test_topology_helpers():
+    t = Topology(2, (Link(0, 2, 3.0), Link(2, 1, 2.0), Link(1, 0, 1.0)), num_switches=1)
+    assert t.num_nodes == 3 and t.is_switch(2) and not t.is_switch(1)
+    assert t.names == ("0", "1", "sw0")
+    assert t.link(0, 2).capacity == 3.0 and t.link(2, 0) is None and t.link_id(1, 0) == 2
+    assert t.out_capacity(0) == 3.0 and t.in_capacity(0) == 1.0
+    r = t.reversed()
+    assert r.link(2, 0).capacity == 3.0 and r.link(0, 1).capacity == 1.0
+    assert t.capacity_matrix()[2, 1] == 2.0
+
+
+# ---------------------------------------------------------------- presets
+def test_dgx1v_nvlink_graph_matches_the_reference():
+    t = dgx1v(pcie=False)
+    assert t.num_ranks == 8 and t.num_switches == 0 and len(t.links) == 32
+    doubles = {(a, b) for a, b, k in DGX1V_NVLINKS if k == 2}
+    assert len(doubles) == 8 and len(DGX1V_NVLINKS) == 16
+    for a, b, k in DGX1V_NVLINKS:
+        assert t.link(a, b).capacity == t.link(b, a).capacity == k * 25 * GB
+    assert t.link(0, 5) is None and t.link_unit == 25 * GB
+    # Every GPU has six NVLinks (six link units out).
+    assert all(t.out_capacity(g) == 6 * 25 * GB for g in range(8))
+
+
+def test_dgx1v_subset_is_renumbered_in_the_given_order():
+    t = dgx1v([3, 0, 7], pcie=False)
+    assert t.names == ("gpu3", "gpu0", "gpu7")
+    assert t.link(0, 1).capacity == 50 * GB  # gpu3-gpu0 double link
+    assert t.link(0, 2).capacity == 25 * GB  # gpu3-gpu7 single link
+    assert t.link(1, 2) is None  # gpu0-gpu7: no NVLink
+
+
+def test_dgx1v_pcie_fallback_is_one_switch():
+    t = dgx1v([0, 5])
+    assert t.num_switches == 1 and t.names[-1] == "pcie"
+    assert t.link(0, 1) is None
+    assert t.link(0, 2).capacity == t.link(2, 1).capacity == 10 * GB
+
+
+@pytest.mark.parametrize(
+    "gpus, needle",
+    [([], "empty"), ([8], "not a DGX-1 GPU"), ([1, 1], "repeats"), (["a"], "not a DGX-1 GPU")],
+)
+def test_dgx1v_bad_gpus(gpus, needle):
+    with pytest.raises(ValueError, match=needle):
+        dgx1v(gpus)
+
+
+def test_ring_full_fat_tree_shapes():
+    assert len(ring(5).links) == 10 and len(ring(2).links) == 2
+    assert len(ring(4, bidirectional=False).links) == 4
+    assert len(full(4).links) == 12
+    t = fat_tree(20, hosts_per_leaf=8)  # 3 leaves, 8 spines
+    assert (t.num_ranks, t.num_switches) == (20, 11)
+    assert len(t.links) == 2 * 20 + 2 * 3 * 8
+    one = fat_tree(4, hosts_per_leaf=8)
+    assert one.num_switches == 1 and len(one.links) == 8
+    with pytest.raises(ValueError, match="spines >= 1"):
+        fat_tree(20, hosts_per_leaf=8, spines=0)
+    with pytest.raises(ValueError, match="n=1"):
+        ring(1)
+
+
+def test_preset_dispatch_and_errors():
+    assert preset("fat_tree", hosts=4).num_ranks == 4
+    with pytest.raises(ValueError, match="unknown topology preset 'torus'"):
+        preset("torus")
+    with pytest.raises(ValueError, match="its parameters are"):
+        preset("ring", size=3)
+
+
+# ---------------------------------------------------------------- YAML
+def test_yaml_explicit_form(tmp_path):
+    path = tmp_path / "lab.yaml"
+    path.write_text(
+        """
+name: lab
+ranks: [a, b, c]
+switches: [tor]
+link_unit: 1 Gbit/s
+latency: 5 us
+links:
+  - {between: [a, b], bandwidth: 1 Gbit/s}
+  - {from: 2, to: tor, bandwidth: 200 Mbit/s, latency: 1 ms}
+  - {from: tor, to: a, bandwidth: 100 MB/s}
+"""
+    )
+    t = load_topology(path)
+    assert t.name == "lab" and t.names == ("a", "b", "c", "tor")
+    assert t.link(0, 1).capacity == t.link(1, 0).capacity == 125e6
+    assert t.link(0, 1).latency == pytest.approx(5e-6)
+    assert t.link(2, 3).capacity == 25e6 and t.link(2, 3).latency == pytest.approx(1e-3)
+    assert t.link(3, 0).capacity == 100e6 and t.link_unit == 125e6
+
+
+def test_yaml_preset_form(tmp_path):
+    path = tmp_path / "dgx.yaml"
+    path.write_text("preset: dgx1v\ngpus: [0, 1, 2, 3]\npcie: false\n")
+    assert load_topology(path) == dgx1v([0, 1, 2, 3], pcie=False)
+    path.write_text("preset: ring\nn: 3\nbandwidth: 1 Gbit/s\n")
+    assert load_topology(path).link(0, 1).capacity == 125e6
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"ranks": 2}, "give 'ranks'"),
+        ({"ranks": 2, "links": [], "colour": "red"}, "unknown keys"),
+        ({"ranks": 2, "links": [{"from": 0, "to": 5, "bandwidth": 1}]}, "rank 5 is out of range"),
+        ({"ranks": 2, "links": [{"from": 0, "to": "x", "bandwidth": 1}]}, "unknown node 'x'"),
+        ({"ranks": 2, "links": [{"from": 0, "to": 1}]}, "give a bandwidth"),
+        ({"ranks": 2, "links": [{"between": [0], "bandwidth": 1}]}, "two nodes"),
+        ({"ranks": 2, "links": [{"from": 0, "bandwidth": 1}]}, "'from' and 'to'"),
+        ({"ranks": 0, "links": []}, "count >= 1"),
+        ({"preset": "torus"}, "unknown preset"),
+        ({"version": 2, "ranks": 1, "links": []}, "version 2"),
+        ([1, 2], "top level must be a mapping"),
+    ],
+)
+def test_yaml_errors_say_what_to_fix(data, needle):
+    with pytest.raises(ValueError, match=needle):
+        topology_from_dict(data)
+
+
+def test_load_topology_reports_file_problems(tmp_path):
+    with pytest.raises(ValueError, match="cannot read topology file"):
+        load_topology(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ranks: [1, 2\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_topology(bad)
+
+
+# ---------------------------------------------------------------- pair rates
+def test_pair_rates_direct_and_through_switches():
+    # ranks 0, 1, 2; switches 3, 4. 0→1 direct; 0→3→4→2 with bottleneck 2; 2→3→1 bottleneck 1.
+    links = [Link(0, 1, 9.0), Link(0, 3, 5.0), Link(3, 4, 2.0), Link(4, 2, 7.0), Link(2, 3, 1.0),
+             Link(3, 1, 4.0), Link(1, 0, 3.0)]  # fmt: skip
+    rates = pair_rates(Topology(3, tuple(links), num_switches=2))
+    assert rates == {(0, 1): 9.0, (0, 2): 2.0, (2, 1): 1.0, (1, 0): 3.0}
+
+
+def test_pair_rates_never_relay_through_ranks():
+    rates = pair_rates(ring(4, bandwidth=10.0))
+    assert (0, 2) not in rates and rates[(0, 1)] == 10.0 and len(rates) == 8
+
+
+def test_pair_rates_of_presets():
+    t = fat_tree(12, hosts_per_leaf=4, uplink_bandwidth=5e9)
+    rates = pair_rates(t)
+    assert len(rates) == 12 * 11
+    assert rates[(0, 1)] == 12.5e9  # same leaf
+    assert rates[(0, 5)] == 5e9  # across the spine: the uplink is the bottleneck
+    d = pair_rates(dgx1v([0, 1, 5]))
+    assert d[(0, 1)] == 25e9 and d[(0, 2)] == 10e9 and d[(2, 1)] == 50e9
