@@ -6,7 +6,8 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
 - `start_ranks(nproc, argv, store)` starts ``argv`` once per rank with ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``SHARDSHIFT_STORE`` (a file-store path: no port is
   ever chosen) in its environment. Each rank leads a session of its own, so stopping it stops
-  whatever it started too.
+  whatever it started too; and on Linux each gets SIGTERM when the launcher dies, even by SIGKILL,
+  so no rank outlives the command that started it.
 - `supervise(procs, timeout_s)` waits: when a rank exits with an error the others are stopped at
   once, and past `timeout_s` all are.
 - `stop(procs)` sends SIGTERM to each rank's process group, SIGKILL after a grace period, and
@@ -20,6 +21,7 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import os
 import signal
@@ -33,6 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 STORE_ENV = "SHARDSHIFT_STORE"
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
 TIMEOUT_EXIT = 124  # exit status of a job stopped for running past its time, as timeout(1) uses
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 Spawn = Callable[..., subprocess.Popen]
 """``spawn(rank, argv, env, **popen_kwargs)``: start one rank's process in a session of its own."""
@@ -41,7 +45,16 @@ Spawn = Callable[..., subprocess.Popen]
 def local_spawn(rank: int, argv: Sequence[str], env: Mapping[str, str], **popen_kwargs) -> subprocess.Popen:
     """Start a rank on this machine, as a session leader (see the module docstring)."""
     del rank  # every rank starts alike here; an emulated network places each in its namespace
-    return subprocess.Popen(list(argv), env=dict(env), start_new_session=True, **popen_kwargs)
+    return subprocess.Popen(list(argv), env=dict(env), start_new_session=True, preexec_fn=die_with_parent,
+                            **popen_kwargs)
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: ask Linux to send it SIGTERM when its parent dies
+    (``PR_SET_PDEATHSIG``; a no-op elsewhere). Nothing is imported or allocated here: the
+    function was looked up when this module was imported."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def rank_env(rank: int, nproc: int, store: str) -> dict[str, str]:

@@ -1,21 +1,28 @@
 """Run a function on N real processes joined in a gloo group, and collect what each returns.
 
-The processes are started with ``torch.multiprocessing`` (spawn) and meet through a file store in a
+The processes are started with ``multiprocessing`` (spawn) and meet through a file store in a
 temporary directory: no port is ever chosen. Every collective times out after `timeout_s`, and the
-whole run is killed after `timeout_s`, so a hang fails the test instead of eating CI time. The
-function's return value travels back through a file written with ``torch.save``.
+whole run is killed after `timeout_s` (give it the test's `budget`, tests/conftest.py), so a hang
+fails the test instead of eating CI time. The function's return value travels back through a file
+written with ``torch.save``. A rank that fails stops the others at once and its traceback is the
+error. Ranks named in `dying` are expected to die (a test kills them for real): their exit must be
+a failure, and the others go on.
+
+When the run ends, by success or failure, every process it started has exited and been reaped:
+`run_distributed` checks that by PID.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import os
 import tempfile
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world_size: int, tmp: str, timeout_s: float, fn, args) -> None:
@@ -38,26 +45,55 @@ def _entry(rank: int, world_size: int, tmp: str, timeout_s: float, fn, args) -> 
         dist.destroy_process_group()
 
 
-def run_distributed(world_size: int, fn, *args, timeout_s: float = 240.0) -> list:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own process."""
+def run_distributed(world_size: int, fn, *args, timeout_s: float = 240.0, dying: frozenset[int] = frozenset()) -> list:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own process
+    (None for the ranks in `dying`, which must exit with an error)."""
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="shardshift-test-") as tmp:
-        ctx = mp.start_processes(
-            _entry, args=(world_size, tmp, timeout_s, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
-        )
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        procs = [ctx.Process(target=_entry, args=(rank, world_size, tmp, timeout_s, fn, args), name=f"rank{rank}")
+                 for rank in range(world_size)]  # fmt: skip
         try:
-            while not ctx.join(timeout=1.0):
-                if datetime.datetime.now() > deadline:
+            for proc in procs:
+                proc.start()
+            deadline = time.monotonic() + timeout_s
+            while any(proc.is_alive() for proc in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in dying]
+                if failed:
+                    raise AssertionError(f"rank {failed[0]} failed (exit code {procs[failed[0]].exitcode}):\n"
+                                         + _errors(tmp))
+                if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} ranks did not finish within {timeout_s} s")
-        except mp.ProcessRaisedException as err:
-            errors = [
-                open(os.path.join(tmp, name)).read()
-                for name in sorted(os.listdir(tmp)) if name.startswith("error-")
-            ]
-            raise AssertionError("a rank failed:\n" + "\n".join(errors)) from err
+                time.sleep(0.1)
         finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-        return [torch.load(os.path.join(tmp, f"result-{rank}.pt"), weights_only=False) for rank in range(world_size)]
+            _stop(procs)
+        codes = [proc.exitcode for proc in procs]
+        wrong = [r for r, code in enumerate(codes) if (code == 0) == (r in dying)]
+        if wrong:
+            raise AssertionError(f"exit codes {codes}, ranks {sorted(dying)} expected to die:\n" + _errors(tmp))
+        return [None if rank in dying else torch.load(os.path.join(tmp, f"result-{rank}.pt"), weights_only=False)
+                for rank in range(world_size)]  # fmt: skip
+
+
+def _errors(tmp: str) -> str:
+    return "\n".join(open(os.path.join(tmp, name)).read() for name in sorted(os.listdir(tmp)) if name.startswith("error-"))
+
+
+def _stop(procs) -> None:
+    """Kill what still runs, reap everything, and check by PID that nothing is left."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(timeout=30)
+    left = [proc.pid for proc in procs if proc.pid is not None and pid_alive(proc.pid)]
+    assert not left, f"processes {left} outlived the run"
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` is a process that has not been reaped (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -1,0 +1,88 @@
+"""Every command the README shows runs: here on tiny sizes (the last of a repeated flag wins), or in
+the test named beside it, which runs the same command on tiny sizes. A command added to the README
+without a smoke test here fails `test_every_readme_command_has_a_smoke_test`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO
+
+TINY = ["--model", "test", "--global-batch", "8"]
+# README command (comment stripped) -> the arguments that shrink it, or the test that runs it.
+SMOKE: dict[str, list[str] | str] = {
+    "shardshift train": [*TINY, "--steps", "5"],  # the default job: two switches, at steps 3 and 5
+    "shardshift train --nproc 4 --layout pp=2,fsdp=2 --steps 100 --metrics run.jsonl": [*TINY, "--steps", "2"],
+    "shardshift train --nproc 4 --layout dp=2,tp=2 --dtype float64 --model small": [*TINY, "--steps", "2"],
+    "shardshift train --nproc 4 --layout fsdp=4 --steps 100 --stop-at 40 --save ckpt":
+        "dist/test_checkpoint.py::test_cli_save_and_resume_under_another_layout",
+    "shardshift train --nproc 4 --layout pp=4 --steps 100 --resume ckpt":
+        "dist/test_checkpoint.py::test_cli_save_and_resume_under_another_layout",
+    "torchrun --nproc-per-node 4 -m shardshift train --layout tp=4": "dist/test_torchrun.py::test_torchrun_matches_the_local_launcher",
+    "shardshift train --nproc 4 --layout dp=4 --switch 20:fsdp=2,tp=2 --switch 35:tp=2,pp=2 --metrics run.jsonl":
+        "dist/test_torchrun.py::test_torchrun_matches_the_local_launcher",
+    "shardshift bench train --nproc 4 --layout dp=4": [*TINY, "--steps", "1", "--rounds", "1", "--warmup", "1",
+                                                     "--also", "fsdp=2,tp=2", "--json"],
+    "shardshift bench switch --nproc 4 --suite": "dist/test_bench_switch.py::test_small_chain_reports_every_column",
+    "shardshift bench packing": "unit/test_packing.py::test_bench_packing_runs_small",
+    "shardshift bench collectives --op allreduce --sizes 1M:64M --nproc 4":
+        "dist/test_bench_collectives.py::test_small_run_reports_every_impl_without_wrong_elements",
+    "shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce": "unit/test_packing.py::test_topo_pack_json",
+}  # fmt: skip
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of the README's code blocks that run ShardShift (comments stripped)."""
+    commands = []
+    for line in (REPO / "README.md").read_text().splitlines():
+        text = line.strip().split("  #")[0].strip()
+        if line.startswith("    ") and (text.startswith(("shardshift ", "torchrun ")) or text == "shardshift"):
+            commands.append(text)
+        elif line.startswith("    ") and text.endswith(".venv/bin/shardshift train"):  # the first command
+            commands.append("shardshift train")
+    return commands
+
+
+def test_every_readme_command_has_a_smoke_test():
+    assert sorted(set(readme_commands())) == sorted(SMOKE)
+    for target in (t for t in SMOKE.values() if isinstance(t, str)):
+        path, name = target.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / "tests" / path).read_text(), re.M), f"no test {target}"
+
+
+def _run(command: str, tmp_path, budget: float) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "shardshift", *command.split()[1:], *SMOKE[command]]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=budget, cwd=tmp_path)
+    assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
+    return run
+
+
+def test_the_default_job_trains_and_switches_twice(tmp_path, budget):
+    run = _run("shardshift train", tmp_path, budget)
+    assert "under fsdp=2,tp=2 on 4 cpu ranks" in run.stdout
+    switches = re.findall(r"^switched (\S+) -> (\S+) before step (\d+)", run.stdout, re.M)
+    assert [(a, b.split(",on")[0], int(s)) for a, b, s in switches] == [
+        ("fsdp=2,tp=2", "tp=2,pp=2", 3), ("tp=2,pp=2", "fsdp=4", 5)], run.stdout
+    assert re.search(r"^step     5 \| loss", run.stdout, re.M)
+
+
+@pytest.mark.parametrize("command", [c for c, smoke in SMOKE.items() if isinstance(smoke, list)
+                                     and c.startswith("shardshift train --")])
+def test_train_commands_run(command, tmp_path, budget):
+    run = _run(command, tmp_path, budget)
+    assert re.search(r"^step     2 \| loss", run.stdout, re.M), run.stdout
+    if "--metrics run.jsonl" in command:
+        records = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
+        assert [r["step"] for r in records] == [1, 2] and records[0]["layout"] == "fsdp=2,pp=2"
+
+
+def test_bench_train_reports_every_variant_beside_ddp(tmp_path, budget):
+    out = json.loads(_run("shardshift bench train --nproc 4 --layout dp=4", tmp_path, budget).stdout)
+    assert [r["impl"] for r in out["rows"]] == ["ddp", "dp=4", "fsdp=2,tp=2"]
+    assert all(r["tokens_per_s"] > 0 and r["steps"] == 1 for r in out["rows"])
+    assert out["rows"][0]["ratio_vs_ddp"] == 1.0

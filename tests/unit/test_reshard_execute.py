@@ -1,0 +1,99 @@
+"""The switch's executor (`reshard.execute`) on real tensors, each rank a thread of the test process
+talking through the in-process group: every new piece is exactly its slice of the logical tensor,
+old pieces are released, memory stays within the budget, and a lost peer is named with its round."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardshift.comm import Deadline, TransferError, Transport
+from shardshift.layout import Layout
+from shardshift.reshard.execute import compile_program, run_program
+from shardshift.reshard.plan import Assignment, plan_transition
+from shardshift.reshard.schedule import ALIGN, build_schedule
+from shardshift.reshard.space import Box
+from shardshift.train.model import ModelConfig
+from shardshift.train.space import GPTSpace
+from support.local_group import LocalGroup, run_ranks
+
+# Uneven on purpose: 13 positions over 4 shards, 5 layers over pp=2.
+CFG = ModelConfig(n_layer=5, n_head=4, d_model=24, seq_len=13, d_ff=40, vocab_size=37)
+
+
+def _full(tensor, index: int) -> torch.Tensor:
+    """A logical tensor whose every element tells where it is (and which tensor it belongs to)."""
+    numel = math.prod(tensor.shape)
+    values = torch.arange(numel, dtype=torch.float64) + 1000.0 * index
+    return values.to(tensor.dtype if tensor.dtype.is_floating_point else torch.int64).to(tensor.dtype).reshape(tensor.shape)
+
+
+class _Source:
+    def __init__(self, pieces: dict[int, torch.Tensor]):
+        self.pieces, self.released = pieces, set()
+
+    def local(self, index: int) -> torch.Tensor:
+        assert index not in self.released, f"tensor {index} read after it was released"
+        return self.pieces[index]
+
+    def release(self, index: int) -> None:
+        self.released.add(index)
+
+
+class _Sink:
+    def __init__(self, shapes: dict[int, tuple[int, ...]], dtypes):
+        self.shapes, self.dtypes, self.pieces = shapes, dtypes, {}
+
+    def open(self, index: int) -> torch.Tensor:
+        assert index not in self.pieces, f"tensor {index} opened twice"
+        self.pieces[index] = torch.full(self.shapes[index], -1).to(self.dtypes[index])
+        return self.pieces[index]
+
+
+def _slice(full: torch.Tensor, box: Box) -> torch.Tensor:
+    return full[box.relative_to(Box.full(tuple(full.shape)))]
+
+
+@pytest.mark.parametrize("old, new", [("dp=4", "fsdp=2,tp=2"), ("fsdp=4", "tp=2,pp=2"), ("pp=2,tp=2", "dp=2,fsdp=2"),
+                                      ("tp=4", "pp=4")])
+def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
+    space = GPTSpace(CFG, torch.float32)
+    fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
+    plan = plan_transition(space, Assignment.identity(Layout.parse(old)), Layout.parse(new))
+    schedule = build_schedule(plan, 8 << 10)  # small: many rounds
+    assert len(schedule.rounds) > 1
+
+    def body(group, rank):
+        source = _Source({t: _slice(fulls[t], box).clone() for t, box in enumerate(plan.old_boxes[rank]) if box})
+        sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
+                     [t.dtype for t in space.tensors])
+        stats = run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
+                            torch.device("cpu"))
+        return source, sink, stats
+
+    for rank, (source, sink, stats) in enumerate(run_ranks(4, body)):
+        expected = {t: box for t, box in enumerate(plan.new_boxes[rank]) if box}
+        assert sorted(sink.pieces) == sorted(expected)
+        for t, box in expected.items():
+            assert torch.equal(sink.pieces[t], _slice(fulls[t], box)), (rank, space.tensors[t].key)
+        assert source.released == set(source.pieces)  # every old piece let go
+        received = [plan.segment_bytes(s) for s in plan.segments if s.dst == rank and not s.local]
+        # Messages pack segments at 16-byte aligned offsets: the payload plus at most that padding.
+        assert sum(received) <= stats.bytes_received <= sum(received) + ALIGN * len(received)
+        assert stats.peak_bytes - max(stats.old_bytes, stats.new_bytes) <= schedule.budget + max(
+            t.nbytes for t in space.tensors)
+
+
+def test_a_peer_that_never_comes_fails_the_round_naming_it():
+    space = GPTSpace(CFG, torch.float32)
+    plan = plan_transition(space, Assignment.identity(Layout(fsdp=2)), Layout(tp=2))
+    program = compile_program(build_schedule(plan, 64 << 10), 0)
+    source = _Source({t: _slice(_full(space.tensors[t], t), box).clone()
+                      for t, box in enumerate(plan.old_boxes[0]) if box})
+    sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[0]) if box}, [t.dtype for t in space.tensors])
+    group = LocalGroup.world(2)[0]  # rank 1 never runs its part
+    with pytest.raises(TransferError, match=rf"rank 0: switch round 1 of {len(program.rounds)}: .* rank 1 ") as err:
+        run_program(program, source, sink, Transport(group), Deadline.after(0.5), torch.device("cpu"))
+    assert err.value.peer == 1

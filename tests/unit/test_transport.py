@@ -1,0 +1,66 @@
+"""The point-to-point transport (`shardshift.comm`) on the in-process group: rounds that cannot
+deadlock, deadlines that hold, and errors that name the rank, the peer and what was being done."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from shardshift.comm import Deadline, PeerOp, TransferError, Transport
+from support.local_group import LocalGroup, run_ranks
+
+
+def test_a_round_exchanges_with_every_peer_at_once():
+    """Every rank sends a different tensor to every other rank, all posted before any wait: the
+    in-process group's sends complete only when received, so a round that waited on a send before
+    posting its receives would deadlock here."""
+    n = 4
+
+    def body(group, rank):
+        transport = Transport(group)
+        peers = [p for p in range(n) if p != rank]
+        inbox = {p: torch.empty(3, dtype=torch.int64) for p in peers}
+        sends = [PeerOp(p, torch.tensor([rank, p, 7]), tag=5) for p in peers]
+        transport.post_round(sends, [PeerOp(p, inbox[p], tag=5) for p in peers], "round 1").wait(Deadline.after(10))
+        return {p: inbox[p].tolist() for p in peers}
+
+    for rank, inbox in enumerate(run_ranks(n, body)):
+        assert inbox == {p: [p, rank, 7] for p in range(n) if p != rank}
+
+
+def test_messages_of_a_tag_match_in_order():
+    def body(group, rank):
+        transport = Transport(group)
+        if rank == 0:
+            ops = [PeerOp(1, torch.full((2,), float(i)), tag=3) for i in range(4)]
+            transport.post_round(ops, [], "sending").wait(Deadline.after(10))
+            return None
+        got = [torch.empty(2) for _ in range(4)]
+        transport.post_round([], [PeerOp(0, t, tag=3) for t in got], "receiving").wait(Deadline.after(10))
+        return [float(t[0]) for t in got]
+
+    assert run_ranks(2, body)[1] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_missing_peer_fails_at_the_deadline_naming_it():
+    transport = Transport(LocalGroup.world(3)[0])  # ranks 1 and 2 never show up
+    posted = transport.post_round([PeerOp(2, torch.zeros(1024))], [PeerOp(1, torch.empty(256))], "switch round 3 of 7")
+    start = time.monotonic()
+    with pytest.raises(TransferError, match=r"rank 0: switch round 3 of 7: receiving 1\.0 KiB from rank 1 .*failed") as err:
+        posted.wait(Deadline.after(0.3))
+    assert err.value.peer == 1
+    assert time.monotonic() - start < 5
+
+
+def test_a_deadline_that_passed_fails_without_waiting():
+    transport = Transport(LocalGroup.world(2)[0])
+    work = transport.recv(torch.empty(1), 1)
+    deadline = Deadline.after(0.01)
+    time.sleep(0.02)
+    with pytest.raises(TransferError, match="rank 0: probing timed out") as err:
+        transport.wait(work, deadline, 1, lambda: "probing")
+    assert err.value.peer == 1
+    with pytest.raises(ValueError, match="give seconds > 0"):
+        Deadline.after(0)
