@@ -7,13 +7,15 @@ The folder a test lives in says what it starts, and its marker follows from it:
 - ``tests/netns``: processes in emulated networks, which need root (``netns`` and ``multiproc``).
 
 Budgets. pytest-timeout stops a test after its limit (`timeout` in pyproject.toml, or a test's
-own ``@pytest.mark.timeout(S)``). A test that starts processes takes its deadline from the
-`budget` fixture, which is that limit less `MARGIN_S`: the harness then fails first, with its own
-message, and kills what it started, instead of being cut off with processes left behind.
+own ``@pytest.mark.timeout(S)``). A test that starts processes gives every wait the time its
+`budget` has left: the limit less `MARGIN_S`, counted from the test's start. The harness then
+fails first, with its own message, and kills what it started, instead of being cut off with
+processes left behind.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,18 @@ def time_limit(node, config) -> float:
     return float(marker.args[0]) if marker is not None else float(config.getini("timeout"))
 
 
+class Budget:
+    """The time a test may give the processes it starts, counted from its start."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left (at least 1, so that a late wait still fails with its own message)."""
+        return max(1.0, self.end - time.monotonic())
+
+
 @pytest.fixture
-def budget(request) -> float:
-    """Seconds a test may give the processes it starts (its time limit less `MARGIN_S`)."""
-    return time_limit(request.node, request.config) - MARGIN_S
+def budget(request) -> Budget:
+    """The test's time limit less `MARGIN_S` (see the module docstring)."""
+    return Budget(time_limit(request.node, request.config) - MARGIN_S)

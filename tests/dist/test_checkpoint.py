@@ -55,9 +55,9 @@ def _save_then_resume(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def test_resume_under_another_layout_continues_the_curve(tmp_path):
-    reference = run_distributed(1, _straight)[0]
-    per_rank = run_distributed(4, _save_then_resume, str(tmp_path), timeout_s=400)
+def test_resume_under_another_layout_continues_the_curve(tmp_path, budget):
+    reference = run_distributed(1, _straight, timeout_s=budget.left())[0]
+    per_rank = run_distributed(4, _save_then_resume, str(tmp_path), timeout_s=budget.left())
     expected = torch.tensor(reference["losses"], dtype=torch.float64)
     for pair in PAIRS:
         assert checkpoint.read_meta(checkpoint.resolve(str(tmp_path / f"{pair[0]}-to-{pair[1]}")))["step"] == SAVE_AT
@@ -68,7 +68,7 @@ def test_resume_under_another_layout_continues_the_curve(tmp_path):
                 torch.testing.assert_close(value, reference["params"][name], rtol=1e-9, atol=ATOL)
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "shardshift", "train", "--model", "test", "--dtype", "float64",
          "--global-batch", "4", "--seed", "2", "--log-every", "0", *args],
@@ -80,15 +80,15 @@ def _losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in open(path)]
 
 
-def test_cli_save_and_resume_under_another_layout(tmp_path):
-    ref = _cli("--nproc", "1", "--steps", "4", "--metrics", str(tmp_path / "ref.jsonl"))
+def test_cli_save_and_resume_under_another_layout(tmp_path, budget):
+    ref = _cli("--nproc", "1", "--steps", "4", "--metrics", str(tmp_path / "ref.jsonl"), timeout=budget.left())
     assert ref.returncode == 0, ref.stderr
     first = _cli("--nproc", "2", "--layout", "fsdp=2", "--steps", "4", "--stop-at", "2",
-                 "--save", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "run.jsonl"))
+                 "--save", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "run.jsonl"), timeout=budget.left())
     assert first.returncode == 0, first.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002"]
     second = _cli("--nproc", "2", "--layout", "tp=2", "--steps", "4", "--resume", str(tmp_path / "ckpt"),
-                  "--metrics", str(tmp_path / "run.jsonl"))
+                  "--metrics", str(tmp_path / "run.jsonl"), timeout=budget.left())
     assert second.returncode == 0, second.stderr
     records = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]

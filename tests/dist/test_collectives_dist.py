@@ -115,8 +115,8 @@ def _one_case(trees, op, m, dtype, red, root, rank, n) -> bool:
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
-def test_executor_matches_gloo(n):
-    reports = run_distributed(n, _executor_cases, timeout_s=240)
+def test_executor_matches_gloo(n, budget):
+    reports = run_distributed(n, _executor_cases, timeout_s=budget.left())
     for rank, report in enumerate(reports):
         assert report["failures"] == [], f"rank {rank}: {report['failures'][:5]}"
         assert report["cases"] > 300 and set(report["replanned"]) == {0}
@@ -286,9 +286,9 @@ def _train_fsdp(group, rank: int, n: int) -> float:
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
 
 
-def test_backend_ops_ddp_and_fsdp_match_gloo():
+def test_backend_ops_ddp_and_fsdp_match_gloo(budget):
     n = 3
-    reports = run_distributed(n, _backend_cases, timeout_s=240)
+    reports = run_distributed(n, _backend_cases, timeout_s=budget.left())
     for rank, report in enumerate(reports):
         assert report["name"] == "shardshift"
         assert all(report["checks"]) and len(report["checks"]) >= 27, (rank, report["checks"])

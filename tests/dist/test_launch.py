@@ -48,7 +48,7 @@ def _wait_for_step(launcher: subprocess.Popen, step: int) -> None:
 
 def test_invalid_layout_from_the_shell_exits_2(budget):
     run = subprocess.run([*TRAIN[:4], "--nproc", "3", "--layout", "tp=3"], capture_output=True, text=True,
-                         timeout=budget)
+                         timeout=budget.left())
     assert run.returncode == 2
     assert "tp=3 does not divide n_head=8; choose tp in {1, 2, 4, 8}" in run.stderr
 
@@ -56,7 +56,7 @@ def test_invalid_layout_from_the_shell_exits_2(budget):
 def test_worker_error_stops_the_job_with_its_message(tmp_path, budget):
     text = tmp_path / "short.txt"
     text.write_text("far too short for one batch")
-    run = subprocess.run([*TRAIN, "--data", str(text)], capture_output=True, text=True, timeout=budget)
+    run = subprocess.run([*TRAIN, "--data", str(text)], capture_output=True, text=True, timeout=budget.left())
     assert run.returncode != 0
     assert "fewer than one global batch" in run.stderr
     assert "worker rank" in run.stderr and "stopped the other workers" in run.stderr
@@ -72,7 +72,7 @@ def test_a_killed_worker_stops_the_others_instead_of_hanging(tmp_path, budget):
         os.kill(ranks[1], signal.SIGKILL)
         # The collective timeout is 600 s: finishing well within the budget shows the launcher
         # stopped the survivor itself instead of waiting for gloo to notice.
-        assert launcher.wait(timeout=budget / 2) == 128 + signal.SIGKILL
+        assert launcher.wait(timeout=budget.left()) == 128 + signal.SIGKILL
         assert "worker rank 1 exited with code -9; stopped the other workers" in launcher.stderr.read()
         assert _gone(ranks)
     finally:
@@ -86,7 +86,7 @@ def test_sigterm_while_the_ranks_start_stops_them_all(tmp_path, budget):
             assert launcher.poll() is None, launcher.stderr.read()
             time.sleep(0.01)
         launcher.send_signal(signal.SIGTERM)  # the ranks are starting, or importing torch
-        assert launcher.wait(timeout=budget / 2) == 128 + signal.SIGTERM
+        assert launcher.wait(timeout=budget.left()) == 128 + signal.SIGTERM
         assert _gone([pid for pid in _ranks(marker) if pid != launcher.pid])
         assert _ranks(marker) == []
     finally:

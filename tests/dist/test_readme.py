@@ -55,9 +55,9 @@ def test_every_readme_command_has_a_smoke_test():
         assert re.search(rf"^def {name}\(", (REPO / "tests" / path).read_text(), re.M), f"no test {target}"
 
 
-def _run(command: str, tmp_path, budget: float) -> subprocess.CompletedProcess:
+def _run(command: str, tmp_path, budget) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "shardshift", *command.split()[1:], *SMOKE[command]]
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=budget, cwd=tmp_path)
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=budget.left(), cwd=tmp_path)
     assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
     return run
 

@@ -40,9 +40,13 @@ PAIRS = [("fsdp=2,tp=2", "pp=2,dp=2"), ("pp=4", "tp=4"), ("dp=4", "fsdp=4"), ("d
 PAIRS += random.Random(7).sample([(a, b) for a in _LAYOUTS for b in _LAYOUTS if a != b], 4)
 
 
-def _oracle(rank: int, world_size: int, root: str, dtype: str, pairs) -> dict:
+# float64 state; bfloat16 training keeps float32 state (autocast), switched the same way.
+CASES = [("float64", before, after) for before, after in PAIRS] + [("bfloat16", *pair) for pair in PAIRS[:2]]
+
+
+def _oracle(rank: int, world_size: int, root: str, cases) -> dict:
     out = {}
-    for before, after in pairs:
+    for dtype, before, after in cases:
         trainer = Trainer(_config(before, dtype), rank, "cpu")
         for _ in range(2):
             trainer.train_step()
@@ -54,18 +58,16 @@ def _oracle(rank: int, world_size: int, root: str, dtype: str, pairs) -> dict:
         loaded = local_state(reference)
         # One more step in each: the switched trainer trains on, exactly as the reloaded one.
         losses = (trainer.train_step().loss, reference.train_step().loss)
-        out[(before, after)] = {
+        out[(dtype, before, after)] = {
             "diff": differences(switched, loaded), "keys": len(switched), "report": report,
             "moments": sum(k.startswith("exp_avg:") for k in switched), "losses": losses,
         }
     return out
 
 
-@pytest.mark.parametrize("dtype, pairs", [("float64", PAIRS), ("bfloat16", PAIRS[:2])])
-def test_switch_is_bit_identical_to_dcp_save_and_load(tmp_path, dtype, pairs):
-    """float64 state; bfloat16 training keeps float32 state (autocast), switched the same way."""
-    per_rank = run_distributed(4, _oracle, str(tmp_path), dtype, pairs, timeout_s=600)
-    for pair in pairs:
+def test_switch_is_bit_identical_to_dcp_save_and_load(tmp_path, budget):
+    per_rank = run_distributed(4, _oracle, str(tmp_path), CASES, timeout_s=budget.left())
+    for pair in CASES:
         for rank, results in enumerate(per_rank):
             result = results[pair]
             assert result["diff"] == [], f"{pair} rank {rank}: differs from DCP in {result['diff'][:5]}"
@@ -111,9 +113,9 @@ def _holdings_vs_dtensor(rank: int, world_size: int) -> tuple[list, int, int]:
     return wrong, strided, checked
 
 
-def test_holdings_follow_dtensor_placements():
+def test_holdings_follow_dtensor_placements(budget):
     """Every layout of 4 ranks in a non-default rank order, uneven shards (pos_emb has 13 rows)."""
-    for wrong, strided, checked in run_distributed(4, _holdings_vs_dtensor, timeout_s=300):
+    for wrong, strided, checked in run_distributed(4, _holdings_vs_dtensor, timeout_s=budget.left()):
         assert wrong == [], wrong[:5]
         assert strided > 0 and checked > 300  # fsdp-over-tp strided shards were among them
 
@@ -164,11 +166,11 @@ def _switching_run(rank: int, world_size: int) -> dict:
     }
 
 
-def test_switching_run_matches_the_unswitched_run():
+def test_switching_run_matches_the_unswitched_run(budget):
     from shardshift.train.space import GPTSpace
 
     largest = max(t.nbytes for t in GPTSpace(model_config("test"), torch.float64).tensors)
-    for rank, result in enumerate(run_distributed(4, _switching_run, timeout_s=400)):
+    for rank, result in enumerate(run_distributed(4, _switching_run, timeout_s=budget.left())):
         got, expected = torch.tensor(result["losses"]), torch.tensor(result["expected"])
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=0, msg=f"rank {rank}")
         assert [r.new.split(" ")[0] for r in result["reports"]] == list(SWITCHES.values())

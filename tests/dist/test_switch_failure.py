@@ -67,7 +67,7 @@ def _switch_with_a_dying_peer(rank: int, world_size: int) -> dict:
 
 
 def test_a_peer_lost_mid_switch_fails_the_switch_and_marks_the_state_lost(budget):
-    survivor, dead = run_distributed(2, _switch_with_a_dying_peer, timeout_s=budget, dying=frozenset({1}))
+    survivor, dead = run_distributed(2, _switch_with_a_dying_peer, timeout_s=budget.left(), dying=frozenset({1}))
     assert dead is None
     assert survivor["peer"] == 1
     assert "rank 0: switch round" in survivor["switch"] and "rank 1" in survivor["switch"], survivor

@@ -15,7 +15,7 @@ def _losses(path) -> list[float]:
     return [record["loss"] for record in map(json.loads, open(path)) if "loss" in record]
 
 
-def test_torchrun_matches_the_local_launcher(tmp_path):
+def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     common = ["train", "--model", "test", "--dtype", "float64", "--steps", "3", "--global-batch", "4",
               "--log-every", "0"]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -23,13 +23,13 @@ def test_torchrun_matches_the_local_launcher(tmp_path):
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", *common,
          "--layout", "tp=2", "--switch", "2:fsdp=2", "--switch", "3:pp=2",
          "--metrics", str(tmp_path / "torchrun.jsonl")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=budget.left(),
     )
     assert under_torchrun.returncode == 0, under_torchrun.stderr[-3000:]
     local = subprocess.run(
         [sys.executable, "-m", "shardshift", *common, "--nproc", "1",
          "--metrics", str(tmp_path / "local.jsonl")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=budget.left(),
     )
     assert local.returncode == 0, local.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "torchrun.jsonl")]

@@ -19,6 +19,8 @@ from support.dist import run_distributed
 from support.training import ATOL, full_parameters
 from shardshift.layout import Layout, all_layouts
 from shardshift.train.config import TrainConfig, model_config
+from shardshift.reshard.space import holding
+from shardshift.train.space import GPTSpace
 from shardshift.train.trainer import Trainer
 
 STEPS = 5
@@ -37,23 +39,37 @@ def _train_layouts(rank: int, world_size: int, layouts: list[str]) -> dict:
     for text in layouts:
         trainer = Trainer(_config(Layout.parse(text)), rank, "cpu")
         losses = [trainer.train_step().loss for _ in range(STEPS)]
-        results[text] = {"losses": losses, "params": full_parameters(trainer)}
+        results[text] = {"losses": losses, "params": full_parameters(trainer), "keys": _keys_match(trainer)}
     return results
 
 
+def _keys_match(trainer: Trainer) -> bool:
+    """The state lists exactly the logical tensors that the pure space places on this rank."""
+    space = GPTSpace(trainer.cfg.model, trainer.cfg.param_dtype)
+    placed = {t.key for t in space.tensors if holding(space, trainer.cfg.layout, trainer.par.coord, t) is not None}
+    return list(trainer.state.tensors()) == [t.key for t in space.tensors if t.key in placed]
+
+
+def _one_process(rank: int, world_size: int) -> dict:
+    return {"float64": _train_layouts(rank, world_size, ["dp=1"])["dp=1"],
+            "dtypes": _train_dtypes(rank, world_size, [("dp=1", dtype) for dtype in DTYPE_RTOL])}
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return run_distributed(1, _train_layouts, ["dp=1"])[0]["dp=1"]
+def single() -> dict:
+    """Every run of this module on one process, in one process start."""
+    return run_distributed(1, _one_process)[0]
 
 
 LAYOUTS_4 = [str(layout) for layout in all_layouts(4)]
 
 
-def test_all_four_rank_layouts_match_one_process(reference):
+def test_all_four_rank_layouts_match_one_process(single, budget):
+    reference = single["float64"]
     mixed = ("pp=2,fsdp=2", "dp=2,tp=2", "fsdp=2,tp=2", "dp=2,fsdp=2", "pp=2,tp=2")
     assert all(Layout.parse(text) in all_layouts(4) for text in mixed)
     assert len(LAYOUTS_4) == 10
-    per_rank = run_distributed(4, _train_layouts, LAYOUTS_4, timeout_s=600)
+    per_rank = run_distributed(4, _train_layouts, LAYOUTS_4, timeout_s=budget.left())
     ref_losses = torch.tensor(reference["losses"], dtype=torch.float64)
     # Not vacuous: training moves the loss and the parameters.
     assert (ref_losses[0] - ref_losses[-1]).abs() > 1e-3
@@ -70,6 +86,7 @@ def test_all_four_rank_layouts_match_one_process(reference):
                     msg=lambda m, n=name, r=rank: f"{text} rank {r} parameter {n}: {m}",
                 )
         assert seen == set(reference["params"]), f"{text}: parameters missing from every rank"
+        assert all(results[text]["keys"] for results in per_rank), f"{text}: state keys differ from the space"
 
 
 def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
@@ -86,10 +103,10 @@ def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> d
 DTYPE_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-def test_float32_and_bfloat16_layouts_track_one_process():
+def test_float32_and_bfloat16_layouts_track_one_process(single, budget):
     cases = [(text, dtype) for dtype in DTYPE_RTOL for text in ("fsdp=2", "tp=2", "pp=2")]
-    single = run_distributed(1, _train_dtypes, [("dp=1", dtype) for dtype in DTYPE_RTOL])[0]
-    per_rank = run_distributed(2, _train_dtypes, cases)
+    single = single["dtypes"]
+    per_rank = run_distributed(2, _train_dtypes, cases, timeout_s=budget.left())
     for text, dtype in cases:
         expected = torch.tensor(single[("dp=1", dtype)])
         got = torch.tensor(per_rank[0][(text, dtype)])

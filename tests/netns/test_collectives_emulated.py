@@ -20,12 +20,12 @@ MBIT = 1e6 / 8
 TOLERANCE = 0.25
 
 
-def test_backend_probes_and_runs_inside_namespaces(emulated_network):
+def test_backend_probes_and_runs_inside_namespaces(emulated_network, budget):
     rates = uniform_rates(3, 600 * MBIT) | {(0, 1): 200 * MBIT, (1, 0): 200 * MBIT, (2, 0): 300 * MBIT}
     net = emulated_network(rates, 3)
     procs = net.launch([sys.executable, str(REPO / "tests" / "netns" / "backend_worker.py")],
                        env={"SHARDSHIFT_TOPOLOGY": "probe"}, stdout=subprocess.PIPE, text=True)
-    outcome = supervise(procs, timeout_s=120)
+    outcome = supervise(procs, timeout_s=budget.left())
     assert outcome.codes == (0, 0, 0), outcome
     report = json.loads(procs[0].stdout.read().strip().splitlines()[-1])
     assert report["backend"] == "shardshift" and report["topology"] == "probed3"
@@ -35,12 +35,12 @@ def test_backend_probes_and_runs_inside_namespaces(emulated_network):
         assert abs(probed[pair] / configured - 1) <= TOLERANCE, (pair, probed[pair] / configured)
 
 
-def test_bench_collectives_on_emulated_links(require_netns):
+def test_bench_collectives_on_emulated_links(require_netns, budget):
     proc = subprocess.run(
         [sys.executable, "-m", "shardshift", "bench", "collectives", "--op", "allreduce", "--sizes", "2M",
          "--topology", str(REPO / "docs" / "topologies" / "hetero4.yaml"), "--emulate", "--iters", "1",
-         "--json", "--timeout", "150"],
-        capture_output=True, text=True, timeout=200, cwd=REPO)
+         "--json", "--timeout", str(budget.left())],
+        capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
     assert [r["impl"] for r in rows] == ["gloo", "ring", "trees", "auto"]

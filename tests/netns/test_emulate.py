@@ -109,15 +109,15 @@ def test_measured_rates_track_configured(emulated_network):
         assert abs(m.ratio - 1) <= TOLERANCE, f"{pair}: measured/configured = {m.ratio:.3f}"
 
 
-def test_command_runs_gloo_ranks_on_shaped_links(require_netns, tmp_path):
+def test_command_runs_gloo_ranks_on_shaped_links(require_netns, tmp_path, budget):
     rates_file = tmp_path / "links.json"
     rates_file.write_text(json.dumps({"nproc": 4, "default": "1gbit", "rates": {"0-1": "200mbit"}}))
     nbytes = 8_000_000  # 0.32 s at 200 Mbit/s
     proc = subprocess.run(
         [sys.executable, "-m", "shardshift.netemu", "--rates-file", str(rates_file),
-         "--prefix", "ssgloo", "--timeout", "120", "--",
+         "--prefix", "ssgloo", "--timeout", str(budget.left()), "--",
          sys.executable, str(REPO / "tests" / "netns" / "emulate_worker.py"), str(nbytes)],
-        capture_output=True, text=True, timeout=180, cwd=REPO)
+        capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["addr"] == f"{SUBNET_PREFIX}2"
