@@ -85,7 +85,7 @@ def _row(topology, op: str, **kw) -> dict:
     if op == "allreduce":
         row["candidates_gbps"] = {name: rate / 1e9 for name, rate in packing.candidates}
         row["construction"] = packing.construction
-        # The kept construction is the shallowest within `keep` of the best (packing.py, Depth),
+        # The kept construction is the shallowest within `keep` of the best (planning/packing, Depth),
         # so this ratio is >= keep, and 1 when no shallower construction came close.
         row["vs_best_construction"] = packing.rate / max(rate for _, rate in packing.candidates)
     return row

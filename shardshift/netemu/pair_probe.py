@@ -4,8 +4,8 @@ Run as a script inside a rank's namespace (by `EmulatedNetwork.measure_pair`), n
 the library: it is started by path, so it imports nothing of shardshift (whose package imports
 may be heavy) and starts in a few tens of milliseconds.
 
-    python emulate_probe.py recv ADDR NBYTES   # prints the port, then {"bytes", "first", "seconds"}
-    python emulate_probe.py send ADDR PORT NBYTES
+    python pair_probe.py recv ADDR NBYTES   # prints the port, then {"bytes", "first", "seconds"}
+    python pair_probe.py send ADDR PORT NBYTES
 
 The receiver times from the first received chunk to the last one and leaves that first chunk out
 of the bytes counted: connection set-up and process start-up are not part of the rate.

@@ -1,6 +1,6 @@
 """The plan of an emulated network: names, addresses and the `ip` / `tc` commands that build it.
 
-Pure data and string building, no processes: `emulate.py` runs these commands. The construction
+Pure data and string building, no processes: `network.py` runs these commands. The construction
 (docs/background.md §4):
 
     rank namespace {name}-r{i}          bridge namespace {name}-br

@@ -1,4 +1,4 @@
-"""From a Topology to the per-pair rates of an emulated network (emulate.py), with a rate scale.
+"""From a Topology to the per-pair rates of an emulated network (network.py), with a rate scale.
 
 Link emulation shapes every ordered pair of ranks to its own rate, so a topology is emulated by
 its point-to-point pair rates (`topology.pair_rates`): the direct link's capacity, or the widest

@@ -1,5 +1,5 @@
 """The tree executor without processes: compiled plans, the two execution modes on an in-process
-group (tests/local_group.py), ring packings, and the small pure helpers around them."""
+group (tests/support/local_group.py), ring packings, and the small pure helpers around them."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_compiled_queues_match_between_ranks(topology, count_per_rank):
 
 def test_every_lane_carries_one_tree():
     """An all-reduce piece reduces up its IN tree and broadcasts down its OUT tree; where both cross
-    the same ordered pair, they still travel in separate lanes (exec_plan.lane_of)."""
+    the same ordered pair, they still travel in separate lanes (program.lane_of)."""
     topology = load_topology(DOCS / "topologies" / "hetero5.yaml")
     packing = pack(topology, Collective.ALLREDUCE)
     schedule = make_schedule(packing, num_chunks_per_tree=3)

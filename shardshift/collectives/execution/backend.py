@@ -15,8 +15,8 @@ that C++ code (DTensor) calls below Python.
 Topology (the first that is set): `ShardShiftOptions(topology=...)` given as `pg_options`, the
 environment variable SHARDSHIFT_TOPOLOGY, else `full`: every rank linked to every other at one
 rate, which needs no measuring and packs trees that use all pairs alike. A spec is a string of
-topology_spec.py (`full`, `ring`, `dgx1v:0,1,2,3`, a YAML path) or `probe`: the group measures
-its pair bandwidths when it is created (probe.py; about a second for 4 ranks), every rank then
+topology/spec.py (`full`, `ring`, `dgx1v:0,1,2,3`, a YAML path) or `probe`: the group measures
+its pair bandwidths when it is created (topology/probe.py; about a second for 4 ranks), every rank then
 holds the same measured topology. A Topology object may be given directly too.
 
 How calls run: every tree collective is queued to one worker thread per group, in the order the

@@ -25,7 +25,7 @@ both deadlock-free by the schedule's ordering rule (planning/schedule.py):
       where threads posting point-to-point work concurrently is not known to be safe (NCCL).
 
 Why DATAFLOW cannot deadlock: every op depends only on ops earlier in the global order (its
-dependencies, exec_plan.py) and on the earlier ops of its own queue. Take the first unfinished
+dependencies, program.py) and on the earlier ops of its own queue. Take the first unfinished
 transfer X (a → b) in the global order. On a, every earlier op of X's send queue has finished and
 X's dependencies are done; the last of them to finish ran `pump`, which posted X (the window
 holds only ops from X on). On b the same holds for X's receive queue. Both queues are X's tag

@@ -1,6 +1,6 @@
 """Execution plans: a schedule compiled, for one rank and one buffer length, into what an executor runs.
 
-A `CollectiveSchedule` (schedule.py) is the same on every rank and speaks in fractions of the buffer.
+A `CollectiveSchedule` (planning/schedule.py) is the same on every rank and speaks in fractions of the buffer.
 `compile_plan(schedule, count, rank)` fixes the buffer length (`count` elements), turns every chunk
 into an integer element range, drops the transfers of empty chunks (every rank computes the same
 ranges, so both ends of a transfer drop it), and keeps the transfers `rank` takes part in, in the

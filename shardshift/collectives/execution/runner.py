@@ -10,7 +10,7 @@ Every rank of the group calls the same methods in the same order with tensors of
 and dtype, as with `torch.distributed`. The topology's rank i is the group's rank i.
 
 Planning happens once per (op, root, numel, element size): the packing (cached per (op, root)),
-its schedule with a pipeline depth chosen for the buffer size (exec_plan.chunks_per_tree), and
+its schedule with a pipeline depth chosen for the buffer size (program.py, chunks_per_tree), and
 the compiled plan for this rank. The first time a plan is built, the ranks compare a digest of it
 (one small all-gather on the group) so that ranks that planned differently (another topology, a
 packing that came out differently) fail with a message instead of exchanging mismatched chunks.

@@ -1,4 +1,4 @@
-"""The result of tree packing as plain data: `Tree`, `Piece` and `Packing` (see packing.py).
+"""The result of tree packing as plain data: `Tree`, `Piece` and `Packing` (see planning/packing).
 
 Kept apart from the solvers so that schedules, checkers and executors can use packings without
 importing scipy. Both dataclasses are frozen and validated when built: every tree spans all ranks,
@@ -173,7 +173,7 @@ class Packing:
 def packing_depth(op: Collective, trees: tuple[Tree, ...]) -> int:
     """Longest chain of hops one piece's data takes: a tree's depth, or for all-reduce (trees in
     (IN, OUT) pairs) the depth of the IN tree plus that of the OUT tree. Pipelines lose about
-    depth - 1 chunk times to filling and draining (exec_plan.chunks_per_tree)."""
+    depth - 1 chunk times to filling and draining (execution/program.py, chunks_per_tree)."""
     if op is Collective.ALLREDUCE:
         return max(trees[i].depth + trees[i + 1].depth for i in range(0, len(trees), 2))
     return max(t.depth for t in trees)

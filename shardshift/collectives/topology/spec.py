@@ -14,7 +14,7 @@ Spec strings, sized to a group of n ranks (`topology_from_spec(spec, n)`):
     PATH            a YAML file in the format of docs/topology.md (n ranks)
 
 The same topology must be given to every rank: packings are computed on each rank and compared
-(runner.py checks a digest of every plan across ranks before it first runs).
+(execution/runner.py checks a digest of every plan across ranks before it first runs).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def topology_from_spec(spec: str, num_ranks: int) -> Topology:
 
 
 def topology_to_dict(topology: Topology) -> dict:
-    """A JSON-able mapping that `topology_from_dict` (topology_io.py) reads back to an equal
+    """A JSON-able mapping that `topology_from_dict` (io.py) reads back to an equal
     Topology: names, links with rates in bytes/s, latencies in seconds."""
     n, names = topology.num_ranks, topology.names
     out: dict = {

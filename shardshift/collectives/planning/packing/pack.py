@@ -1,7 +1,7 @@
 """Tree packings: weighted spanning trees over the ranks that reach a topology's bandwidth bound.
 
 `pack(topology, op, root)` returns a `Packing`: its trees, its rate, and the bound for the op
-computed independently by `bounds.py`, so any gap is visible. Rates are algbw in bytes/s
+computed independently by `planning/bounds.py`, so any gap is visible. Rates are algbw in bytes/s
 (nccl-tests: for all-gather and reduce-scatter, the whole gathered buffer over the time).
 
 What the trees mean, per op (a tree's `weight` is the rate, bytes/s, of the data it carries):
