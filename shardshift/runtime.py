@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from shardshift.launch import STORE_ENV
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +76,13 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> Process:
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return proc
+
+
+def run_in_group(timeout_s: float, body: Callable[[Process], T], backend: str | None = None) -> tuple[Process, T]:
+    """Join the job's default group (`init_distributed`), run `body(process)`, and leave the group
+    again, also when `body` raises."""
+    proc = init_distributed(timeout_s, backend)
+    try:
+        return proc, body(proc)
+    finally:
+        dist.destroy_process_group()

@@ -79,7 +79,7 @@ from shardshift.comm.p2p import Deadline, PeerOp, Transport
 from shardshift.launch import STORE_ENV
 from shardshift.layout import Layout
 from shardshift.reshard.plan import plan_transition
-from shardshift.runtime import init_distributed
+from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
@@ -258,11 +258,7 @@ def _scratch_parent() -> str | None:
 
 def run_rank(opts: SwitchBenchOptions) -> int:
     """One rank's part of the bench; rank 0 prints the report."""
-    proc = init_distributed(opts.timeout_s)
-    try:
-        records = run_switch_bench(opts, proc.rank, proc.device_type)
-    finally:
-        dist.destroy_process_group()
+    proc, records = run_in_group(opts.timeout_s, lambda proc: run_switch_bench(opts, proc.rank, proc.device_type))
     if proc.rank == 0:
         report(opts, records, proc.device_type)
     return 0

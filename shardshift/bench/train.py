@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.layout import Layout
-from shardshift.runtime import init_distributed
+from shardshift.runtime import run_in_group
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.model import GPT, init_value, loss_fn
@@ -96,11 +96,7 @@ class Throughput:
 
 def run_rank(opts: TrainBenchOptions) -> int:
     """One rank's part of the bench; rank 0 prints the report."""
-    proc = init_distributed(opts.timeout_s)
-    try:
-        results = run_bench(opts, proc.rank, proc.device_type)
-    finally:
-        dist.destroy_process_group()
+    proc, results = run_in_group(opts.timeout_s, lambda proc: run_bench(opts, proc.rank, proc.device_type))
     if proc.rank == 0:
         report(opts, results, proc.device_type)
     return 0

@@ -53,8 +53,9 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
 
 def topology_from_args(args: argparse.Namespace):
     """The topology named on the command line; ValueError says what is missing or wrong."""
-    from shardshift.collectives.topology.io import load_topology, parse_rate
+    from shardshift.collectives.topology.io import load_topology
     from shardshift.collectives.topology.presets import preset
+    from shardshift.units import parse_rate
 
     if (args.preset is None) == (args.topology is None):
         raise ValueError("give exactly one of --preset NAME or --topology FILE")

@@ -7,7 +7,7 @@ import sys
 
 import torch.distributed as dist
 
-from shardshift.runtime import init_distributed
+from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.trainer import StepResult, Trainer
@@ -50,49 +50,49 @@ def _report_switch(report, metrics) -> None:
 
 
 def run_training(cfg: TrainConfig, timeout_s: float) -> int:
-    proc = init_distributed(timeout_s)
-    try:
-        cfg.layout.check_world(proc.world_size)
-        trainer = Trainer(cfg, proc.rank, proc.device_type, timeout_s=timeout_s)
-        if cfg.resume:
-            path = checkpoint.resolve(cfg.resume)
-            checkpoint.load(trainer, path)
-            if proc.rank == 0:
-                print(f"resumed from {path} at step {trainer.progress.step} under {cfg.layout}", flush=True)
-        metrics = open(cfg.metrics, "a") if (cfg.metrics and proc.rank == 0) else None
-        if proc.rank == 0:
-            print(
-                f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
-                f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
-                flush=True,
-            )
-        pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
-        # The next switch is prepared (planned, its meshes and storage-less model built) ahead of
-        # time, so that at its step only the state moves.
-        prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
-        try:
-            while trainer.progress.step < cfg.stop_at:
-                if pending and pending[0][0] == trainer.progress.step + 1:
-                    report = trainer.switch(prepared)
-                    if proc.rank == 0:
-                        _report_switch(report, metrics)
-                    pending.pop(0)
-                    prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
-                result = trainer.train_step()
-                if proc.rank == 0:
-                    _report(trainer.cfg, result, metrics)
-                step = trainer.progress.step
-                if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
-                    path = checkpoint.save(trainer, cfg.save)
-                    if proc.rank == 0:
-                        print(f"saved {path}", flush=True)
-        finally:
-            if metrics is not None:
-                metrics.close()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_in_group(timeout_s, lambda proc: _train(cfg, proc, timeout_s))
     return 0
+
+
+def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
+    cfg.layout.check_world(proc.world_size)
+    trainer = Trainer(cfg, proc.rank, proc.device_type, timeout_s=timeout_s)
+    if cfg.resume:
+        path = checkpoint.resolve(cfg.resume)
+        checkpoint.load(trainer, path)
+        if proc.rank == 0:
+            print(f"resumed from {path} at step {trainer.progress.step} under {cfg.layout}", flush=True)
+    metrics = open(cfg.metrics, "a") if (cfg.metrics and proc.rank == 0) else None
+    if proc.rank == 0:
+        print(
+            f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
+            f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
+            flush=True,
+        )
+    pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
+    # The next switch is prepared (planned, its meshes and storage-less model built) ahead of
+    # time, so that at its step only the state moves.
+    prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
+    try:
+        while trainer.progress.step < cfg.stop_at:
+            if pending and pending[0][0] == trainer.progress.step + 1:
+                report = trainer.switch(prepared)
+                if proc.rank == 0:
+                    _report_switch(report, metrics)
+                pending.pop(0)
+                prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
+            result = trainer.train_step()
+            if proc.rank == 0:
+                _report(trainer.cfg, result, metrics)
+            step = trainer.progress.step
+            if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
+                path = checkpoint.save(trainer, cfg.save)
+                if proc.rank == 0:
+                    print(f"saved {path}", flush=True)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    dist.barrier()
 
 
 def worker_main(cfg: TrainConfig, timeout_s: float) -> int:

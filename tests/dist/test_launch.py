@@ -5,6 +5,7 @@ PID)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,9 +17,8 @@ from support.dist import pid_alive
 TRAIN = [sys.executable, "-m", "shardshift", "train", "--nproc", "2", "--layout", "fsdp=2", "--model", "test"]
 
 
-def _ranks(marker: str) -> list[int]:
-    """PIDs of the ranks of the job whose command line holds `marker` (none is the launcher:
-    its command line is the same, so the launcher's PID is left out by the caller)."""
+def _pids(marker: str) -> list[int]:
+    """PIDs of the processes whose command line holds `marker`."""
     out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
@@ -30,20 +30,32 @@ def _gone(pids: list[int], seconds: float = 15.0) -> bool:
     return not any(pid_alive(pid) for pid in pids)
 
 
-def _training(tmp_path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """A 2-rank job that would train for ever; its own text file marks its processes."""
+@contextlib.contextmanager
+def _training(tmp_path, until_step: int | None):
+    """A 2-rank job that would train for ever (its own text file marks its processes), once it
+    reached `until_step` (None: as soon as its first rank exists): the launcher and the ranks'
+    PIDs. The launcher is killed on the way out, whatever the test did."""
     text = tmp_path / "corpus.txt"
     text.write_text("All the world's a stage, and all the men and women merely players. " * 200)
-    launcher = subprocess.Popen([*TRAIN, "--steps", "100000", "--data", str(text), "--timeout", "600", *extra],
+    launcher = subprocess.Popen([*TRAIN, "--steps", "100000", "--data", str(text), "--timeout", "600"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return launcher, str(text)
-
-
-def _wait_for_step(launcher: subprocess.Popen, step: int) -> None:
-    for line in launcher.stdout:
-        if line.startswith(f"step {step:5d}"):
-            return
-    raise AssertionError(f"the job ended before step {step}: {launcher.stderr.read()[-2000:]}")
+    try:
+        ranks = []
+        if until_step is None:
+            while not ranks:
+                assert launcher.poll() is None, launcher.stderr.read()
+                ranks = [pid for pid in _pids(str(text)) if pid != launcher.pid]
+        else:
+            for line in launcher.stdout:
+                if line.startswith(f"step {until_step:5d}"):
+                    break
+            ranks = [pid for pid in _pids(str(text)) if pid != launcher.pid]
+            assert len(ranks) == 2, launcher.stderr.read()[-2000:]
+        yield launcher, ranks
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert _pids(str(text)) == []
 
 
 def test_invalid_layout_from_the_shell_exits_2(budget):
@@ -60,47 +72,28 @@ def test_worker_error_stops_the_job_with_its_message(tmp_path, budget):
     assert run.returncode != 0
     assert "fewer than one global batch" in run.stderr
     assert "worker rank" in run.stderr and "stopped the other workers" in run.stderr
-    assert _ranks(str(text)) == []
+    assert _pids(str(text)) == []
 
 
 def test_a_killed_worker_stops_the_others_instead_of_hanging(tmp_path, budget):
-    launcher, marker = _training(tmp_path)
-    try:
-        _wait_for_step(launcher, 2)
-        ranks = [pid for pid in _ranks(marker) if pid != launcher.pid]
-        assert len(ranks) == 2
+    with _training(tmp_path, until_step=2) as (launcher, ranks):
         os.kill(ranks[1], signal.SIGKILL)
         # The collective timeout is 600 s: finishing well within the budget shows the launcher
         # stopped the survivor itself instead of waiting for gloo to notice.
         assert launcher.wait(timeout=budget.left()) == 128 + signal.SIGKILL
         assert "worker rank 1 exited with code -9; stopped the other workers" in launcher.stderr.read()
         assert _gone(ranks)
-    finally:
-        launcher.kill()
 
 
 def test_sigterm_while_the_ranks_start_stops_them_all(tmp_path, budget):
-    launcher, marker = _training(tmp_path)
-    try:
-        while not [pid for pid in _ranks(marker) if pid != launcher.pid]:  # until the first rank exists
-            assert launcher.poll() is None, launcher.stderr.read()
-            time.sleep(0.01)
+    with _training(tmp_path, until_step=None) as (launcher, ranks):
         launcher.send_signal(signal.SIGTERM)  # the ranks are starting, or importing torch
         assert launcher.wait(timeout=budget.left()) == 128 + signal.SIGTERM
-        assert _gone([pid for pid in _ranks(marker) if pid != launcher.pid])
-        assert _ranks(marker) == []
-    finally:
-        launcher.kill()
+        assert _gone(ranks)
 
 
 def test_a_launcher_killed_mid_training_leaves_no_rank(tmp_path, budget):
-    launcher, marker = _training(tmp_path)
-    try:
-        _wait_for_step(launcher, 2)
-        ranks = [pid for pid in _ranks(marker) if pid != launcher.pid]
-        assert len(ranks) == 2
+    with _training(tmp_path, until_step=2) as (launcher, ranks):
         launcher.kill()  # SIGKILL: no handler runs; the ranks learn it from the kernel
         launcher.wait(timeout=30)
         assert _gone(ranks), [pid for pid in ranks if pid_alive(pid)]
-    finally:
-        launcher.kill()

@@ -3,6 +3,7 @@ process starts (these tests run `main` in the test process; no launcher is reach
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -81,3 +82,26 @@ def test_bench_switch_refuses_bad_input_before_any_process_starts(argv, message,
 def test_bench_collectives_refuses_bad_input_before_any_process_starts(argv, message, capsys):
     assert main(["bench", "collectives", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_argv_gives_back_the_configuration_it_was_made_from():
+    """The restart baseline of `bench switch` starts `shardshift train` with `train_argv(cfg)`."""
+    from shardshift.cli.main import build_parser
+    from shardshift.cli.train import config_from_args, train_argv
+    from shardshift.layout import Layout
+    from shardshift.train.config import OptimConfig, TrainConfig, model_config
+
+    base = dict(model=model_config("test"), model_name="test", steps=9, seed=5, dtype="float64", global_batch=8,
+                optim=OptimConfig(lr=1e-3, warmup_steps=2, grad_clip=0.5), log_every=3, switch_budget=1 << 20)
+    configs = [
+        TrainConfig(layout=Layout(fsdp=2, tp=2), stop_at=4, data="corpus.txt", save="ckpt", save_every=2,
+                    resume="old", metrics="m.jsonl", switches=((3, Layout(tp=2, pp=2)), (6, Layout(dp=4))), **base),
+        TrainConfig(layout=Layout(pp=2, dp=2), micro_batches=2, **base),
+    ]
+    for cfg in configs:
+        argv = train_argv(cfg, nproc=4, timeout_s=12.5)
+        args = build_parser(argv).parse_args(argv)
+        assert config_from_args(args, Layout.parse(args.layout)) == cfg, argv
+        assert (args.nproc, args.timeout) == (4, 12.5)
+    with pytest.raises(ValueError, match="no flag of `shardshift train` sets"):
+        train_argv(dataclasses.replace(configs[1], optim=OptimConfig(weight_decay=0.5)), nproc=4, timeout_s=1)

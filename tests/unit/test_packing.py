@@ -337,6 +337,10 @@ def test_topo_pack_text_yaml_and_errors(tmp_path, capsys):
     assert code == 2 and "--gpus" in err
     code, out, _ = _cli(["topo", "show", "--preset", "fat-tree", "--hosts", "4", "--json"], capsys)
     assert code == 0 and len(json.loads(out)["pair_rates"]) == 12
+    code, out, _ = _cli(["topo", "show", "--preset", "ring", "--ranks", "3", "--bandwidth", "200mbit", "--json"], capsys)
+    assert code == 0 and {r for _, _, r in json.loads(out)["pair_rates"]} == {25e6}
+    code, _, err = _cli(["topo", "show", "--preset", "ring", "--ranks", "3", "--bandwidth", "25mbps"], capsys)
+    assert code == 2 and "ambiguous" in err
     code, out, _ = _cli(["topo", "pack", "--topology", "docs/topologies/hetero4.yaml", "--op", "allreduce",
                          "--depth", "any", "--json"], capsys)  # fmt: skip
     assert code == 0 and json.loads(out)["depth"] == 6 and "/shallow" not in json.loads(out)["construction"]

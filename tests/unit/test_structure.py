@@ -5,6 +5,8 @@ refers to nothing outside itself."""
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import itertools
 import re
 import subprocess
@@ -103,6 +105,29 @@ def test_no_two_public_classes_or_functions_share_a_name():
     allowed = {"register", "run", "main", "report", "run_rank"}  # entry points: one per command module
     clashes = {name: where for name, where in defined.items() if len(where) > 1 and name not in allowed}
     assert clashes == {}, clashes
+
+
+def test_every_import_of_the_package_resolves():
+    """Imports inside functions run only when their command does: check each names something."""
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardshift"):
+                module = importlib.import_module(node.module)
+                missing += [f"{_module(path)}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")]
+    assert missing == [], missing
+
+
+def test_every_public_name_of_a_package_resolves():
+    for init in itertools.chain([PACKAGE / "__init__.py"], PACKAGE.rglob("*/__init__.py")):
+        package = importlib.import_module(_module(init))
+        for name in getattr(package, "__all__", ()):
+            assert getattr(package, name) is not None, f"{package.__name__}.{name}"
+
+
+def _is_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def test_every_package_says_what_it_offers():

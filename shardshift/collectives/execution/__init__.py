@@ -7,7 +7,7 @@ from shardshift._exports import lazy_exports
 
 _NAMES = {
     "ExecutionPlan": ".program", "compile_plan": ".program",
-    "CollectiveError": ".executor", "ExecMode": ".executor", "run_plan": ".executor",
+    "ExecMode": ".executor", "run_plan": ".executor",
     "Reduction": ".reduction", "UnsupportedReduction": ".reduction",
     "RunOptions": ".runner", "TreeCollectives": ".runner",
     "ShardShiftOptions": ".backend", "register_backend": ".backend",
