@@ -50,12 +50,10 @@ def _job(args: argparse.Namespace, build: Callable[[], object], rank_main: Calla
         return code
     if in_worker():
         return rank_main(opts)
-    if start is None:
-        from shardshift.launch import launch
+    from shardshift.launch import launch
 
-        return launch(opts.nproc, args.argv)
     try:
-        return start(opts, args.argv)
+        return launch(opts.nproc, args.argv) if start is None else start(opts, args.argv)
     except ValueError as err:  # e.g. an emulated network that cannot be built here
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2

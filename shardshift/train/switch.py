@@ -143,18 +143,18 @@ class _ModelSink:
                 self.pieces[index[f"step:{fqn}"]] = (state["step"], 0)
                 self.optim_state[fqn] = state
 
-    def _reserve(self, index: int, local: torch.Tensor) -> None:
-        storage = local.untyped_storage()
-        if storage.nbytes() != local.numel() * local.element_size():
+    def _reserve(self, index: int, piece: torch.Tensor) -> None:
+        storage = piece.untyped_storage()
+        if storage.nbytes() != piece.numel() * piece.element_size():
             raise AssertionError(f"tensor {index}: its piece does not own its storage; it cannot be freed alone")
-        self.pieces[index] = (local, storage.nbytes())
+        self.pieces[index] = (piece, storage.nbytes())
         storage.resize_(0)
 
     def open(self, index: int) -> torch.Tensor:
-        local, nbytes = self.pieces[index]
+        piece, nbytes = self.pieces[index]
         if nbytes:
-            local.untyped_storage().resize_(nbytes)
-        return local
+            piece.untyped_storage().resize_(nbytes)
+        return piece
 
 
 @dataclasses.dataclass
@@ -223,7 +223,9 @@ def switch_state(old: TrainingState, prepared: PreparedSwitch, group, timeout_s:
     prepare_ns = int(prepared.seconds * 1e9)
     figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, elapsed_ns, prepare_ns]
     worst = torch.tensor(figures, dtype=torch.int64, device=par.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([worst], options).wait()  # any group with torch's methods, as the transport takes
     worst = worst.tolist()
     return new, SwitchReport(
         step=new.progress.step + 1,

@@ -105,3 +105,16 @@ def test_train_argv_gives_back_the_configuration_it_was_made_from():
         assert (args.nproc, args.timeout) == (4, 12.5)
     with pytest.raises(ValueError, match="no flag of `shardshift train` sets"):
         train_argv(dataclasses.replace(configs[1], optim=OptimConfig(weight_decay=0.5)), nproc=4, timeout_s=1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layout", "dp=3", "--also", ""], "layout dp=3 has 3 ranks (product of its degrees) but 4 processes"),
+    (["--nproc", "3", "--layout", "tp=3", "--also", ""], "tp=3 does not divide n_head=8"),
+    (["--also", "pp=4", "--global-batch", "4"], "does not split into --micro-batches 8"),
+    (["--steps", "0"], "--steps 0 must be >= 1"),
+    (["--model", "huge"], "--model 'huge' is unknown"),
+])
+def test_bench_train_refuses_bad_input_before_any_process_starts(argv, message, capsys):
+    assert main(["bench", "train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardshift: error: ") and message in err, err
