@@ -86,7 +86,9 @@ def _train_options(args: argparse.Namespace):
     from shardshift.bench.train import TrainBenchOptions
     from shardshift.train.config import TrainConfig, model_config
 
-    base = TrainConfig(layout=Layout.parse(args.layout), model=model_config(args.model), model_name=args.model,
+    layout = Layout.parse(args.layout)
+    layout.check_world(args.nproc)  # before the batch is split for it: the mismatch is the error
+    base = TrainConfig(layout=layout, model=model_config(args.model), model_name=args.model,
                        steps=args.warmup + args.steps * args.rounds, dtype=args.dtype,
                        global_batch=args.global_batch)
     return TrainBenchOptions(base=base, also=_layouts(args.also), nproc=args.nproc, steps=args.steps,
