@@ -36,7 +36,7 @@ from torch import nn
 
 from shardshift.comm.p2p import Deadline, Transport
 from shardshift.layout import Layout
-from shardshift.reshard.execute import SwitchProgram, compile_program, run_program
+from shardshift.reshard.execute import ExecStats, SwitchProgram, compile_program, run_program
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
 from shardshift.reshard.schedule import DEFAULT_BUDGET, SwitchSchedule, build_schedule
 from shardshift.train.config import TrainConfig
@@ -192,43 +192,47 @@ def prepare_switch(cfg: TrainConfig, state: TrainingState, rank: int, layout: La
     return PreparedSwitch(new_cfg, plan, schedule, par, model, space, sink, program, time.perf_counter() - start)
 
 
-def switch_state(old: TrainingState, prepared: PreparedSwitch, group, timeout_s: float,
-                 ahead: bool = True) -> tuple[TrainingState, SwitchReport]:
+def switch_state(old: TrainingState, prepared: PreparedSwitch, group, timeout_s: float) -> tuple[TrainingState, ExecStats]:
     """Move `old` into the layout `prepared` was made for (a collective over `group`, which carries
-    the transfers, each done within `timeout_s`); return the new state and what the switch did.
+    the transfers, each done within `timeout_s`); return the new state and what the executor did.
 
     `old` is consumed: it is marked lost when this returns, and also when it raises half-way (a
     `TransferError` naming the peer and round), since some of its storage may be freed by then.
-    `ahead`: the switch was prepared before this call (then its time is reported apart).
     """
-    start_ns = time.perf_counter_ns()
-    plan, par, model, sink = prepared.plan, prepared.par, prepared.model, prepared.sink
-    on_cuda = par.device.type == "cuda"
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
+    plan, sink = prepared.plan, prepared.sink
     source = _StateSource(old, prepared.space)
     try:
-        stats = run_program(prepared.program, source, sink, Transport(group), Deadline.after(timeout_s), par.device)
+        stats = run_program(prepared.program, source, sink, Transport(group), Deadline.after(timeout_s),
+                            prepared.par.device)
     except BaseException as err:
         old.mark_lost(f"a switch from {plan.old} to {plan.new} failed while moving it ({err}); resume "
                       "from the newest checkpoint")
         raise
     old.mark_lost(f"a switch moved it to {plan.new}; use the state the switch returned")
-    new = TrainingState(par, model, build_optimizer(model, prepared.cfg.optim, sink.optim_state), Progress())
+    optimizer = build_optimizer(prepared.model, prepared.cfg.optim, sink.optim_state)
+    new = TrainingState(prepared.par, prepared.model, optimizer, Progress())
     new.restore(sink.scalars)
+    return new, stats
 
+
+def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ahead: bool, step: int,
+                  group) -> SwitchReport:
+    """What a switch did (a collective over `group`: the per-rank figures are the worst rank's).
+    `seconds`: the switch call on this rank, until ready to step; `ahead`: it was prepared before
+    the call (then `seconds` excludes preparing); `step`: the first step under the new layout."""
+    plan, device = prepared.plan, prepared.par.device
+    on_cuda = device.type == "cuda"
     extra = stats.peak_bytes - max(stats.old_bytes, stats.new_bytes)
     device_peak = torch.cuda.max_memory_allocated() if on_cuda else 0
-    elapsed_ns = time.perf_counter_ns() - start_ns
-    prepare_ns = int(prepared.seconds * 1e9)
-    figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, elapsed_ns, prepare_ns]
-    worst = torch.tensor(figures, dtype=torch.int64, device=par.device)
+    figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, int(seconds * 1e9),
+               int(prepared.seconds * 1e9)]
+    worst = torch.tensor(figures, dtype=torch.int64, device=device)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
     group.allreduce([worst], options).wait()  # any group with torch's methods, as the transport takes
     worst = worst.tolist()
-    return new, SwitchReport(
-        step=new.progress.step + 1,
+    return SwitchReport(
+        step=step,
         old=str(plan.old),
         new=str(plan.new),
         seconds=worst[4] / 1e9,

@@ -26,7 +26,7 @@ from shardshift.train.model import loss_fn
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import Parallel, build_parallel, wrap_for_training
 from shardshift.train.state import Progress, TrainingState
-from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_state
+from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_report, switch_state
 
 DEFAULT_TIMEOUT_S = 300.0  # a switch's transfers, as the job's collectives (`--timeout`)
 
@@ -102,16 +102,19 @@ class Trainer:
         cannot take raises ValueError before anything changes. A failure while the state moves
         (a lost peer, a timeout) leaves this trainer unusable: its error says why.
         """
+        start = time.perf_counter()
+        if self.par.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         prepared = target if isinstance(target, PreparedSwitch) else self.prepare_switch(target, budget)
         if prepared.plan.old != self.assignment:
             raise ValueError(f"this switch was prepared from {prepared.plan.old}, but the trainer is under "
                              f"{self.assignment}; prepare it again")
         self.module = self.pipeline = None  # the DDP wrapper's buckets and the pipeline go first
-        new_state, report = switch_state(self.state, prepared, self.group, self.timeout_s,
-                                         ahead=prepared is target)
-        self.cfg, self.state = prepared.cfg, new_state
+        self.state, stats = switch_state(self.state, prepared, self.group, self.timeout_s)
+        self.cfg = prepared.cfg
         self.module, self.pipeline = self._runtime(sync=False)  # the switch made replicas identical
-        return report
+        return switch_report(prepared, stats, time.perf_counter() - start, ahead=prepared is target,
+                             step=self.progress.step + 1, group=self.group)
 
     # ---- steps ---------------------------------------------------------------------------------
 
