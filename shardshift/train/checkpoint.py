@@ -1,7 +1,7 @@
 """Checkpoints through PyTorch DCP: save under one layout, resume under any other.
 
-A checkpoint directory ``DIR/step-00000012`` holds DCP's files plus ``shardshift.json`` (the model
-and layout it was written under). What is saved is the trainer's `TrainingState.tensors()`: every
+A checkpoint directory ``DIR/step-00000012`` holds DCP's files plus ``shardshift.json`` (its format,
+and the model and layout it was written under). What is saved is the trainer's `TrainingState.tensors()`: every
 logical tensor by its layout-free key (``param:<fqn>``, ``exp_avg:<fqn>``, ``exp_avg_sq:<fqn>``,
 ``step:<fqn>``, ``progress:train``, ``rng:cpu``), parameters and moments as this rank's DTensor
 shards. DCP reshards them on load into whatever layout the resuming job has built.
@@ -22,6 +22,9 @@ import torch.distributed.checkpoint as dcp
 from shardshift.train.trainer import Trainer
 
 META_FILE = "shardshift.json"
+# What the DCP files hold: `TrainingState.tensors()` by key. Checkpoints of earlier versions held
+# `get_state_dict`'s keys ("model.*", "optim.*") and have no "format" in their META_FILE.
+FORMAT = "training-state/1"
 _DCP_METADATA = ".metadata"  # written last by DCP: its presence marks a complete checkpoint
 
 
@@ -52,6 +55,7 @@ def save(trainer: Trainer, root: str) -> Path:
     dcp.save(trainer.state.tensors(), checkpoint_id=str(path))
     if dist.get_rank() == 0:
         meta = {
+            "format": FORMAT,
             "model": trainer.cfg.model_name,
             "model_config": {k: getattr(trainer.cfg.model, k) for k in ("n_layer", "n_head", "d_model", "seq_len", "d_ff", "vocab_size")},
             "layout": str(trainer.cfg.layout),
@@ -75,8 +79,14 @@ def load(trainer: Trainer, path: Path) -> None:
 
 
 def check_compatible(path: Path, model_name: str, model_config, global_batch: int, seed: int) -> None:
-    """Refuse, before any process starts, to resume a checkpoint into a different model."""
+    """Refuse, before any process starts, to resume a checkpoint into a different model, or one
+    written in another format."""
     meta = read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(
+            f"checkpoint {path} holds {meta.get('format', 'the state_dict layout of ShardShift before training-state/1')}, "
+            f"not {FORMAT}: this version cannot read it; resume it with the version that wrote it, or start again"
+        )
     if meta["model_config"] != {k: getattr(model_config, k) for k in meta["model_config"]}:
         raise ValueError(
             f"checkpoint {path} holds model {meta['model']!r} {meta['model_config']}, not "

@@ -4,6 +4,7 @@ process starts (these tests run `main` in the test process; no launcher is reach
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -118,3 +119,15 @@ def test_bench_train_refuses_bad_input_before_any_process_starts(argv, message, 
     assert main(["bench", "train", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardshift: error: ") and message in err, err
+
+
+def test_resuming_a_checkpoint_of_another_format_is_refused(tmp_path, capsys):
+    step = tmp_path / "step-00000003"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"")  # complete, as far as DCP's marker says
+    meta = {"model": "tiny", "model_config": {"n_layer": 8, "n_head": 8, "d_model": 128, "seq_len": 128,
+            "d_ff": 512, "vocab_size": 256}, "layout": "fsdp=2,tp=2", "step": 3, "global_batch": 16, "seed": 0}
+    (step / "shardshift.json").write_text(json.dumps(meta))  # no "format": written before training-state/1
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not training-state/1: this version cannot read it" in err, err
