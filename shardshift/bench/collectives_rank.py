@@ -34,7 +34,7 @@ from shardshift.collectives.topology.presets import full
 from shardshift.collectives.topology.probe import probe_topology
 from shardshift.runtime import init_distributed
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}  # fmt: skip
 _TORCH_OPS = {Reduction.SUM: dist.ReduceOp.SUM, Reduction.PRODUCT: dist.ReduceOp.PRODUCT,
               Reduction.MIN: dist.ReduceOp.MIN, Reduction.MAX: dist.ReduceOp.MAX,
@@ -177,7 +177,7 @@ def run(opts: CollectivesBenchOptions) -> int:
         else:
             impls[name] = TreeCollectives(world, topology, options)
     op, red = opts.op, Reduction.parse(opts.redop)
-    dtype, root, iters = DTYPES[opts.dtype], opts.root, opts.iters
+    dtype, root, iters = TORCH_DTYPES[opts.dtype], opts.root, opts.iters
     measured = []
     for nbytes in opts.sizes:
         case = Case(op, max(nbytes // torch.tensor([], dtype=dtype).element_size(), n), dtype, red,
