@@ -37,10 +37,18 @@ except ImportError:  # only tests that use hypothesis need it; they import it th
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    folders = set()
     for item in items:
         folder = Path(item.fspath).resolve().relative_to(_TESTS).parts[0]
+        folders.add(folder)
         for name in _MARKERS.get(folder, ()):
             item.add_marker(name)
+    # A whole-suite run must reach every folder: a folder pytest skips (it skips any named "dist"
+    # unless told otherwise) would pass silently.
+    if any(Path(arg).resolve() == _TESTS for arg in config.args) and not config.option.keyword:
+        missing = {"unit", "dist", "netns"} - folders
+        if missing:
+            raise pytest.UsageError(f"no test was collected from tests/{', tests/'.join(sorted(missing))}")
 
 
 def time_limit(node, config) -> float:
