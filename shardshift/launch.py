@@ -15,7 +15,11 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
 - `launch(nproc, argv)` runs ``python -m shardshift <argv>`` as a job: rank 0's standard output
   is passed through, every rank's standard error is passed through prefixed with its rank, and
   when a rank fails its last lines are repeated, so the cause is the last thing printed. SIGINT
-  and SIGTERM stop the ranks before the launcher exits.
+  and SIGTERM stop the ranks before the launcher exits with 128 + the signal.
+
+The signal handler only records the signal; the loops that start and watch the ranks act on it.
+A handler that raised would be lost when the signal lands during a fork: Python runs it inside
+an at-fork hook (the `logging` module registers one), whose exceptions it ignores.
 """
 
 from __future__ import annotations
@@ -63,19 +67,25 @@ def rank_env(rank: int, nproc: int, store: str) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: store}  # fmt: skip
 
 
+class Interrupted(Exception):
+    """Starting the ranks was called off (`cancelled()` became true); those started are stopped."""
+
+
 def start_ranks(nproc: int, argv: Sequence[str], store: str, *, env: Mapping[str, str] | None = None,
                 spawn: Spawn = local_spawn, per_rank: Callable[[int], Mapping] | None = None,
-                **popen_kwargs) -> list[subprocess.Popen]:
+                cancelled: Callable[[], bool] = lambda: False, **popen_kwargs) -> list[subprocess.Popen]:
     """Start `argv` as ranks 0..nproc-1 of one job meeting at the file store `store` (a path that
     must not exist yet). `env` is added to every rank's environment; `per_rank(rank)` gives
-    Popen arguments of one rank over `popen_kwargs`. If starting is interrupted (an error, a
-    signal whose handler raises), the ranks already started are stopped."""
+    Popen arguments of one rank over `popen_kwargs`. If starting fails, or `cancelled()` becomes
+    true (checked after each rank; `Interrupted` is raised), the ranks already started are stopped."""
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(nproc):
             full_env = {**os.environ, **(env or {}), **rank_env(rank, nproc, store)}
             kwargs = {**popen_kwargs, **(per_rank(rank) if per_rank else {})}
             procs.append(spawn(rank, argv, full_env, **kwargs))
+            if cancelled():
+                raise Interrupted(f"called off after starting {len(procs)} of {nproc} ranks")
     except BaseException:
         stop(procs)
         raise
@@ -89,11 +99,12 @@ class Outcome:
     codes: tuple[int | None, ...]  # exit status per rank as it was when the job ended (None: running)
     failed: int | None  # the first rank that exited with an error, if one did
     timed_out: bool  # stopped for running past its time
+    cancelled: bool = False  # stopped because `cancelled()` became true (a signal, in `launch`)
 
     @property
     def status(self) -> int:
         """The job's exit status: 0, the failing rank's code (128 + signal if a signal killed it),
-        or `TIMEOUT_EXIT`."""
+        or `TIMEOUT_EXIT`. A cancelled job's status is its caller's to set."""
         if self.timed_out:
             return TIMEOUT_EXIT
         if self.failed is None:
@@ -106,17 +117,20 @@ class Outcome:
         return [rank for rank, code in enumerate(self.codes) if code is None]
 
 
-def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None, grace_s: float = GRACE_S) -> Outcome:
-    """Wait until every rank has exited; stop them all as soon as one fails or `timeout_s` passes."""
+def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None, grace_s: float = GRACE_S,
+              cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+    """Wait until every rank has exited; stop them all as soon as one fails, `timeout_s` passes,
+    or `cancelled()` becomes true."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         codes = tuple(proc.poll() for proc in procs)
         failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
         timed_out = deadline is not None and time.monotonic() > deadline and None in codes
-        if failed is not None or timed_out or None not in codes:
+        stopping = cancelled() and None in codes
+        if failed is not None or timed_out or stopping or None not in codes:
             if None in codes:
                 stop(procs, grace_s)
-            return Outcome(codes, failed, timed_out and failed is None)
+            return Outcome(codes, failed, timed_out and failed is None, stopping and failed is None)
         time.sleep(0.05)
 
 
@@ -150,26 +164,28 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
     """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status."""
     with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp:
         procs: list[subprocess.Popen] = []
+        signals: list[int] = []  # received; see the module docstring for why nothing more is done here
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-        def on_signal(signum, _frame):
-            stop(procs)
-            raise SystemExit(128 + signum)
-
         for sig in previous:
-            signal.signal(sig, on_signal)
+            signal.signal(sig, lambda signum, _frame: signals.append(signum))
         try:
-            procs += start_ranks(nproc, [sys.executable, "-m", "shardshift", *argv], os.path.join(tmp, "store"),
-                                 env=env, spawn=spawn, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                 per_rank=lambda rank: {"stdout": None if rank == 0 else subprocess.DEVNULL})
+            try:
+                procs += start_ranks(nproc, [sys.executable, "-m", "shardshift", *argv], os.path.join(tmp, "store"),
+                                     env=env, spawn=spawn, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     per_rank=lambda rank: {"stdout": None if rank == 0 else subprocess.DEVNULL},
+                                     cancelled=lambda: bool(signals))
+            except Interrupted:
+                return 128 + signals[0]
             tails = [collections.deque(maxlen=20) for _ in range(nproc)]
             relays = [threading.Thread(target=_relay, args=(proc.stderr, rank, tails[rank]), daemon=True)
                       for rank, proc in enumerate(procs)]
             for relay in relays:
                 relay.start()
-            outcome = supervise(procs, timeout_s)
+            outcome = supervise(procs, timeout_s, cancelled=lambda: bool(signals))
             for relay in relays:
                 relay.join(timeout=1.0)
+            if outcome.cancelled:
+                return 128 + signals[0]
             if outcome.timed_out:
                 print(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them",
                       file=sys.stderr, flush=True)

@@ -16,10 +16,10 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-import torch.distributed as dist
-
 from shardshift.launch import STORE_ENV
+
+# torch is imported where it is used: every rank parses its command line first (`in_worker`),
+# and a command that turns out to be bad input should not pay for torch.
 
 T = TypeVar("T")
 
@@ -33,6 +33,8 @@ class Process:
 
     @property
     def device_type(self) -> str:
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -61,6 +63,9 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> Process:
     `backend`: None picks NCCL on CUDA machines and gloo elsewhere; any registered name is taken
     as it is ("shardshift": call `shardshift.collectives.register_backend()` first).
     """
+    import torch
+    import torch.distributed as dist
+
     proc = process_from_env()
     # Share the cores among the local ranks instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // proc.local_world_size))
@@ -81,6 +86,8 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> Process:
 def run_in_group(timeout_s: float, body: Callable[[Process], T], backend: str | None = None) -> tuple[Process, T]:
     """Join the job's default group (`init_distributed`), run `body(process)`, and leave the group
     again, also when `body` raises."""
+    import torch.distributed as dist
+
     proc = init_distributed(timeout_s, backend)
     try:
         return proc, body(proc)

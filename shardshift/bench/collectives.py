@@ -38,7 +38,6 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shardshift.collectives.planning.bounds import collective_bound
 from shardshift.collectives.planning.ops import Collective
 from shardshift.collectives.topology.model import Topology
 
@@ -94,6 +93,8 @@ class CollectivesBenchOptions:
     @property
     def bound(self) -> float | None:
         """The topology's bound for the op, algbw in bytes/s (None without a topology)."""
+        from shardshift.collectives.planning.bounds import collective_bound  # scipy: not at parse time
+
         return None if self.topology is None else collective_bound(self.topology, self.op, self.root)
 
 

@@ -95,11 +95,6 @@ _P2P_TAG = 1 << 20  # above any switch round's tag
 _DIGEST_CHUNK = 16 << 20  # bytes hashed at a time
 
 
-# Every kind of boundary on 4 ranks: replication to sharding, fsdp to fsdp x tp, tp to pipeline
-# stages, stages to replicas of shards, shards to tp, tp back to replication.
-DEFAULT_SUITE = "dp=4;fsdp=4;fsdp=2,tp=2;tp=2,pp=2;pp=4;dp=2,fsdp=2;tp=4;dp=4"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SwitchBenchOptions:
     """What `shardshift bench switch` runs; validated when built (ValueError says what to change)."""

@@ -20,6 +20,12 @@ from shardshift.cli.topo import add_topology_arguments, topology_from_args
 from shardshift.collectives.planning.ops import Collective
 from shardshift.layout import Layout
 
+# `bench switch --suite`: every kind of boundary on 4 ranks (replication to sharding, fsdp to
+# fsdp x tp, tp to pipeline stages, stages to replicas of shards, shards to tp, tp back to
+# replication). Here, not in `shardshift.bench.switch`: building the parser must not import
+# torch, which every rank of every bench would then pay.
+DEFAULT_SUITE = "dp=4;fsdp=4;fsdp=2,tp=2;tp=2,pp=2;pp=4;dp=2,fsdp=2;tp=4;dp=4"
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
@@ -104,8 +110,6 @@ def _run_train(args: argparse.Namespace) -> int:
 # ---- switch ---------------------------------------------------------------------------------------
 
 def _add_switch(benches) -> None:
-    from shardshift.bench.switch import DEFAULT_SUITE
-
     p = benches.add_parser("switch", help="online layout switch vs DCP vs restart vs the link limit")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--from", dest="source", default=None, help="the layout switched from, e.g. dp=4")
@@ -127,8 +131,6 @@ def _add_switch(benches) -> None:
 
 
 def _chain(args: argparse.Namespace) -> tuple[Layout, ...]:
-    from shardshift.bench.switch import DEFAULT_SUITE
-
     if args.suite is not None:
         if args.source is not None or args.target is not None:
             raise ValueError("give either --suite or --from and --to, not both")

@@ -97,3 +97,13 @@ def test_a_launcher_killed_mid_training_leaves_no_rank(tmp_path, budget):
         launcher.kill()  # SIGKILL: no handler runs; the ranks learn it from the kernel
         launcher.wait(timeout=30)
         assert _gone(ranks), [pid for pid in ranks if pid_alive(pid)]
+
+
+def test_the_command_line_parses_without_importing_torch(budget):
+    """Every rank of a job parses the whole command line again: that must stay cheap."""
+    code = ("import sys; from shardshift.cli.main import build_parser; "
+            "[build_parser([c]) for c in ('train', 'topo', 'bench', '--help')]; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('scipy')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=budget.left())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
