@@ -9,13 +9,18 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
   whatever it started too; and on Linux each gets SIGTERM when the launcher dies, even by SIGKILL,
   so no rank outlives the command that started it.
 - `supervise(procs, timeout_s)` waits: when a rank exits with an error the others are stopped at
-  once, and past `timeout_s` all are.
+  once, and past `timeout_s` all are. When `cancelled()` becomes true (a signal, in `launch`),
+  every rank gets SIGTERM and `drain_s` to finish on its own (a training run saves a checkpoint
+  then), and only what is left after that is killed.
 - `stop(procs)` sends SIGTERM to each rank's process group, SIGKILL after a grace period, and
   reaps them.
-- `launch(nproc, argv)` runs ``python -m shardshift <argv>`` as a job: rank 0's standard output
-  is passed through, every rank's standard error is passed through prefixed with its rank, and
-  when a rank fails its last lines are repeated, so the cause is the last thing printed. SIGINT
-  and SIGTERM stop the ranks before the launcher exits with 128 + the signal.
+- `launch(nproc, argv)` runs ``python -m shardshift <argv>`` as a job on this machine: rank 0's
+  output is passed through, every other rank's goes to ``rank-N.log`` in a log directory (kept
+  when the job fails, and named in its message). When a rank fails, the others are stopped and
+  its last lines are repeated, so the cause is the last thing printed. SIGINT and SIGTERM are
+  passed on to the ranks as SIGTERM; the launcher exits with 128 + the signal once they are
+  done. gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the
+  environment names another: nothing of a local job listens on the machine's network.
 
 The signal handler only records the signal; the loops that start and watch the ranks act on it.
 A handler that raised would be lost when the signal lands during a fork: Python runs it inside
@@ -24,21 +29,24 @@ an at-fork hook (the `logging` module registers one), whose exceptions it ignore
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 STORE_ENV = "SHARDSHIFT_STORE"
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
+DRAIN_S = 120.0  # after a signal: time for the ranks to finish their step and save before SIGKILL
 TIMEOUT_EXIT = 124  # exit status of a job stopped for running past its time, as timeout(1) uses
+TAIL_LINES = 20  # of a failed rank's log, repeated in the launcher's message
 _PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
@@ -118,31 +126,35 @@ class Outcome:
 
 
 def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None, grace_s: float = GRACE_S,
-              cancelled: Callable[[], bool] = lambda: False) -> Outcome:
-    """Wait until every rank has exited; stop them all as soon as one fails, `timeout_s` passes,
-    or `cancelled()` becomes true."""
+              cancelled: Callable[[], bool] = lambda: False, drain_s: float = 0.0) -> Outcome:
+    """Wait until every rank has exited; stop them all as soon as one fails or `timeout_s` passes.
+    Once `cancelled()` becomes true, every rank gets SIGTERM and up to `drain_s` to exit on its own
+    (exits then are not failures), after which what is left is stopped."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    drained_by = None  # set when cancelled: the end of the drain
     while True:
         codes = tuple(proc.poll() for proc in procs)
-        failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
-        timed_out = deadline is not None and time.monotonic() > deadline and None in codes
-        stopping = cancelled() and None in codes
-        if failed is not None or timed_out or stopping or None not in codes:
-            if None in codes:
+        if drained_by is None and cancelled():
+            _signal(procs, signal.SIGTERM)
+            drained_by = time.monotonic() + drain_s
+        if drained_by is not None:
+            if None not in codes or time.monotonic() > drained_by:
                 stop(procs, grace_s)
-            return Outcome(codes, failed, timed_out and failed is None, stopping and failed is None)
+                return Outcome(codes, None, False, True)
+        else:
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            timed_out = deadline is not None and time.monotonic() > deadline and None in codes
+            if failed is not None or timed_out or None not in codes:
+                if None in codes:
+                    stop(procs, grace_s)
+                return Outcome(codes, failed, timed_out and failed is None)
         time.sleep(0.05)
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = GRACE_S) -> None:
     """SIGTERM every rank's process group, SIGKILL what is left after `grace_s`; reap them all."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [proc for proc in procs if proc.poll() is None]
-        for proc in alive:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        alive = _signal(procs, sig)
         deadline = time.monotonic() + grace_s
         for proc in alive:
             try:
@@ -151,51 +163,72 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = GRACE_S) -> None:
                 pass
 
 
-def _relay(stream, rank: int, tail: collections.deque) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        tail.append(line)
-        print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-    stream.close()
+def _signal(procs: Sequence[subprocess.Popen], sig: int) -> list[subprocess.Popen]:
+    """Send `sig` to the process group of every rank still running; return those ranks."""
+    alive = [proc for proc in procs if proc.poll() is None]
+    for proc in alive:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    return alive
 
 
 def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, spawn: Spawn = local_spawn,
-           timeout_s: float | None = None) -> int:
-    """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status."""
-    with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp:
-        procs: list[subprocess.Popen] = []
-        signals: list[int] = []  # received; see the module docstring for why nothing more is done here
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, lambda signum, _frame: signals.append(signum))
-        try:
+           timeout_s: float | None = None, log_dir: str | None = None, drain_s: float = DRAIN_S) -> int:
+    """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status.
+    Ranks 1.. write their output to `log_dir` (default: a fresh temporary directory, removed when
+    the job succeeds)."""
+    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="shardshift-logs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(env or {})
+    if spawn is local_spawn and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    signals: list[int] = []  # received; see the module docstring for why nothing more is done here
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, _frame: signals.append(signum))
+    outcome = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp, contextlib.ExitStack() as files_open:
+            files = {rank: files_open.enter_context(open(logs / f"rank-{rank}.log", "wb")) for rank in range(1, nproc)}
+            procs: list[subprocess.Popen] = []
             try:
                 procs += start_ranks(nproc, [sys.executable, "-m", "shardshift", *argv], os.path.join(tmp, "store"),
-                                     env=env, spawn=spawn, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     per_rank=lambda rank: {"stdout": None if rank == 0 else subprocess.DEVNULL},
-                                     cancelled=lambda: bool(signals))
+                                     env=env, spawn=spawn, stdin=subprocess.DEVNULL, cancelled=lambda: bool(signals),
+                                     per_rank=lambda rank: {} if rank == 0 else
+                                     {"stdout": files[rank], "stderr": subprocess.STDOUT})
+                outcome = supervise(procs, timeout_s, cancelled=lambda: bool(signals), drain_s=drain_s)
             except Interrupted:
-                return 128 + signals[0]
-            tails = [collections.deque(maxlen=20) for _ in range(nproc)]
-            relays = [threading.Thread(target=_relay, args=(proc.stderr, rank, tails[rank]), daemon=True)
-                      for rank, proc in enumerate(procs)]
-            for relay in relays:
-                relay.start()
-            outcome = supervise(procs, timeout_s, cancelled=lambda: bool(signals))
-            for relay in relays:
-                relay.join(timeout=1.0)
-            if outcome.cancelled:
-                return 128 + signals[0]
-            if outcome.timed_out:
-                print(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them",
-                      file=sys.stderr, flush=True)
-            elif outcome.failed is not None:
-                lines = "\n".join(f"  {line}" for line in tails[outcome.failed])
-                print(f"shardshift: worker rank {outcome.failed} exited with code {outcome.codes[outcome.failed]}; "
-                      f"stopped the other workers. Its last output:\n{lines}", file=sys.stderr, flush=True)
-            return outcome.status
-        finally:
-            stop(procs)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                pass
+            finally:
+                stop(procs)
+        if signals:
+            print(f"shardshift: stopped by signal {signals[0]}", file=sys.stderr, flush=True)
+            return 128 + signals[0]
+        if outcome.timed_out:
+            print(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them",
+                  file=sys.stderr, flush=True)
+        elif outcome.failed is not None:
+            print(_failure(outcome, logs), file=sys.stderr, flush=True)
+        return outcome.status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        succeeded = outcome is not None and not signals and outcome.status == 0
+        if succeeded and log_dir is None:
+            shutil.rmtree(logs, ignore_errors=True)
+        elif not succeeded and nproc > 1:
+            others = "rank 1" if nproc == 2 else f"ranks 1..{nproc - 1}"
+            print(f"shardshift: the output of {others} is in {logs}", file=sys.stderr, flush=True)
 
+
+def _failure(outcome: Outcome, logs: Path) -> str:
+    rank = outcome.failed
+    message = (f"shardshift: worker rank {rank} exited with code {outcome.codes[rank]}; "
+               f"stopped the other workers.")
+    if rank == 0:
+        return message + " Its output is above."
+    log = logs / f"rank-{rank}.log"
+    lines = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+    return message + f" Its last output ({log}):\n" + "\n".join(f"  {line}" for line in lines)

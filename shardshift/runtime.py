@@ -30,6 +30,7 @@ class Process:
     world_size: int
     local_rank: int
     local_world_size: int
+    parent: int = dataclasses.field(default_factory=os.getppid)  # the launcher, when this process started
 
     @property
     def device_type(self) -> str:
@@ -74,6 +75,10 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> Process:
         torch.cuda.set_device(proc.local_rank)
     if backend is None:
         backend = "nccl" if proc.device_type == "cuda" else "gloo"
+    if os.environ.get("MASTER_ADDR", "") in ("localhost", "127.0.0.1", "::1"):
+        # A single-host job (torchrun --standalone): keep gloo's sockets on the loopback interface,
+        # as our own launcher does, rather than on whatever address the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store_path = os.environ.get(STORE_ENV)
     if store_path:
         store = dist.FileStore(store_path, proc.world_size)
@@ -93,3 +98,16 @@ def run_in_group(timeout_s: float, body: Callable[[Process], T], backend: str | 
         return proc, body(proc)
     finally:
         dist.destroy_process_group()
+        _clean_up_after(proc)
+
+
+def _clean_up_after(proc: Process) -> None:
+    """When this rank's launcher died (SIGKILL: nothing of it ran), remove the temporary directory
+    of the job's file store that it would have removed. Each rank tries; the directory is no
+    longer needed once a rank has left the group, and the others are stopping too (each got
+    SIGTERM when the launcher died)."""
+    store = os.environ.get(STORE_ENV)
+    if store and os.getppid() != proc.parent:
+        import shutil
+
+        shutil.rmtree(os.path.dirname(store), ignore_errors=True)

@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
-from shardshift.launch import STORE_ENV
+from shardshift.launch import STORE_ENV, die_with_parent
 from shardshift.layout import Layout
 from shardshift.reshard.plan import plan_transition
 from shardshift.runtime import run_in_group
@@ -221,7 +221,8 @@ def _restart(cfg: TrainConfig, path: Path, step: int, nproc: int, timeout_s: flo
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     with open(log, "w") as err:
         start = time.perf_counter()
-        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True)
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
+                               preexec_fn=die_with_parent)  # a launcher of its own: it dies with this rank
         watchdog = threading.Timer(timeout_s, job.terminate)  # its launcher then stops its workers
         watchdog.start()
         first_line = None

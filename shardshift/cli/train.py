@@ -38,7 +38,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--save", default=None, help="checkpoint directory (DCP)")
     p.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
-    p.add_argument("--resume", default=None, help="checkpoint directory to resume from, under any layout")
+    p.add_argument("--keep-checkpoints", type=int, default=0,
+                   help="keep the newest K checkpoints in --save, removing older ones once a newer is complete (0: all)")
+    p.add_argument("--resume", default=None,
+                   help="resume from the newest complete checkpoint in DIR (or that checkpoint), under any layout; "
+                        "'auto': from --save's when it has one, else start fresh")
     p.add_argument("--metrics", default=None, help="JSONL file: one object per step")
     p.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
     p.add_argument("--switch", action="append", default=None, metavar="STEP:LAYOUT",
@@ -47,6 +51,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-budget", default="256M",
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--log-dir", default=None,
+                   help="where ranks 1.. write their output (rank-N.log); default: a temporary directory, "
+                        "removed when the run succeeds")
 
 
 def parse_switch(text: str) -> tuple[int, Layout]:
@@ -87,6 +94,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         data=args.data,
         save=args.save,
         save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
         metrics=args.metrics,
         log_every=args.log_every,
@@ -120,21 +128,22 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
             argv += [flag, value]
     if cfg.save_every:
         argv += ["--save-every", str(cfg.save_every)]
+    if cfg.keep_checkpoints:
+        argv += ["--keep-checkpoints", str(cfg.keep_checkpoints)]
     for step, layout in cfg.switches:
         argv += ["--switch", f"{step}:{layout}"]
     return argv
 
 
 def _check_before_launch(cfg) -> None:
-    from pathlib import Path
+    """What the workers would refuse, refused before they start (they check again: under torchrun
+    nothing runs before them)."""
+    from shardshift.train.catalog import RunIdentity, choose
+    from shardshift.train.data import digest, load_tokens
 
-    from shardshift.train import checkpoint
-
-    if cfg.data is not None and not Path(cfg.data).is_file():
-        raise ValueError(f"--data {cfg.data}: no such file; give the path of a text file")
+    tokens = load_tokens(cfg.data)
     if cfg.resume:
-        path = checkpoint.resolve(cfg.resume)
-        checkpoint.check_compatible(path, cfg.model_name, cfg.model, cfg.global_batch, cfg.seed)
+        choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
 
 
 def _world_size(args: argparse.Namespace) -> int | None:
@@ -175,4 +184,4 @@ def run(args: argparse.Namespace) -> int:
         return worker_main(cfg, args.timeout)
     from shardshift.launch import launch
 
-    return launch(nproc, args.argv)
+    return launch(nproc, args.argv, log_dir=args.log_dir)

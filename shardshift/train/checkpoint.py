@@ -1,74 +1,83 @@
-"""Checkpoints through PyTorch DCP: save under one layout, resume under any other.
+"""Checkpoints through PyTorch DCP: save under one layout, resume under any other, lose nothing.
 
-A checkpoint directory ``DIR/step-00000012`` holds DCP's files plus ``shardshift.json`` (its format,
-and the model and layout it was written under). What is saved is the trainer's `TrainingState.tensors()`: every
-logical tensor by its layout-free key (``param:<fqn>``, ``exp_avg:<fqn>``, ``exp_avg_sq:<fqn>``,
-``step:<fqn>``, ``progress:train``, ``rng:cpu``), parameters and moments as this rank's DTensor
-shards. DCP reshards them on load into whatever layout the resuming job has built.
+What is saved is the trainer's `TrainingState.tensors()`: every logical tensor by its layout-free
+key (``param:<fqn>``, ``exp_avg:<fqn>``, ``exp_avg_sq:<fqn>``, ``step:<fqn>``, ``progress:train``,
+``rng:cpu``), parameters and moments as this rank's DTensor shards. DCP reshards them on load into
+whatever layout the resuming job has built. The LR schedule is a pure function of the step, and
+the optimizer's hyperparameters come from the configuration, so neither is saved.
 
-The LR schedule is a pure function of the step, and the optimizer's hyperparameters come from
-the configuration, so neither is saved.
+A save is atomic (a collective: every rank calls it):
+
+1. every rank writes its DCP files into ``DIR/.partial-step-00000012`` (rank 0 first removes what
+   an earlier, interrupted save of that step left there);
+2. rank 0 writes the manifest (``shardshift.json``: the run's identity, the layout, the step, and
+   every file with its size and CRC-32, `catalog.py`) and syncs it;
+3. rank 0 renames the directory to ``DIR/step-00000012`` (replacing a checkpoint of the same step
+   only once the new one is complete) and syncs ``DIR``; then it prunes to the newest `keep`.
+
+A job killed at any point leaves either no ``step-00000012`` or a complete one; `catalog.choose`
+passes over the ``.partial-*`` directory and says so.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from shardshift.train.trainer import Trainer
-
-META_FILE = "shardshift.json"
-# What the DCP files hold: `TrainingState.tensors()` by key. Checkpoints of earlier versions held
-# `get_state_dict`'s keys ("model.*", "optim.*") and have no "format" in their META_FILE.
-FORMAT = "training-state/1"
-_DCP_METADATA = ".metadata"  # written last by DCP: its presence marks a complete checkpoint
+from shardshift.train.catalog import FORMAT, PARTIAL_PREFIX, Manifest, RunIdentity, checkpoints, file_table
+from shardshift.train.trainer import Diverged, Trainer
 
 
 def checkpoint_dir(root: str, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def resolve(path: str) -> Path:
-    """The checkpoint `path` names: itself if complete, else its newest complete ``step-*``."""
-    root = Path(path)
-    if (root / _DCP_METADATA).is_file():
-        return root
-    if not root.is_dir():
-        raise ValueError(f"--resume {path}: no such directory; give a --save directory of an earlier run")
-    steps = sorted(p for p in root.glob("step-*") if (p / _DCP_METADATA).is_file())
-    if not steps:
-        raise ValueError(f"--resume {path}: no complete checkpoint (step-*/.metadata) in it")
-    return steps[-1]
-
-
-def read_meta(path: Path) -> dict:
-    return json.loads((path / META_FILE).read_text())
-
-
-def save(trainer: Trainer, root: str) -> Path:
-    """Save the trainer's state under ``root/step-<step>`` (a collective: every rank calls it)."""
-    path = checkpoint_dir(root, trainer.progress.step)
-    dcp.save(trainer.state.tensors(), checkpoint_id=str(path))
-    if dist.get_rank() == 0:
-        meta = {
-            "format": FORMAT,
-            "model": trainer.cfg.model_name,
-            "model_config": {k: getattr(trainer.cfg.model, k) for k in ("n_layer", "n_head", "d_model", "seq_len", "d_ff", "vocab_size")},
-            "layout": str(trainer.cfg.layout),
-            "dtype": trainer.cfg.dtype,
-            "step": trainer.progress.step,
-            "global_batch": trainer.cfg.global_batch,
-            "seed": trainer.cfg.seed,
-        }
-        tmp = path / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, path / META_FILE)
+def save(trainer: Trainer, root: str, keep: int = 0) -> Path:
+    """Save the trainer's state as ``root/step-<step>`` (see the module docstring); keep only the
+    newest `keep` checkpoints of `root` (0: all). Returns the checkpoint's path. A state holding a
+    non-finite value on any rank is not saved: `Diverged`."""
+    finite = torch.tensor([int(trainer.state.finite())], device=trainer.par.device)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not int(finite):
+        raise Diverged(trainer.progress.step, "the state holds non-finite values")
+    final = checkpoint_dir(root, trainer.progress.step)
+    partial = final.with_name(PARTIAL_PREFIX + final.name)
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
     dist.barrier()
-    return path
+    dcp.save(trainer.state.tensors(), checkpoint_id=str(partial))  # returns once every rank's files are written
+    if rank == 0:
+        run = RunIdentity.of(trainer.cfg, trainer.stream.digest)
+        Manifest(FORMAT, run, str(trainer.cfg.layout), trainer.progress.step, file_table(partial)).write(partial)
+        _publish(partial, final)
+        if keep:
+            for old in checkpoints(Path(root))[keep:]:
+                shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Make `partial` visible as `final` with one rename (an existing `final` is set aside first
+    and removed after), and sync the directory so the rename survives a crash."""
+    replaced = final.with_name(PARTIAL_PREFIX + "replaced-" + final.name)
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+    partial.rename(final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def load(trainer: Trainer, path: Path) -> None:
@@ -76,24 +85,3 @@ def load(trainer: Trainer, path: Path) -> None:
     tensors = trainer.state.tensors()
     dcp.load(tensors, checkpoint_id=str(path))  # in place into the state's own tensors
     trainer.state.restore(tensors)
-
-
-def check_compatible(path: Path, model_name: str, model_config, global_batch: int, seed: int) -> None:
-    """Refuse, before any process starts, to resume a checkpoint into a different model, or one
-    written in another format."""
-    meta = read_meta(path)
-    if meta.get("format") != FORMAT:
-        raise ValueError(
-            f"checkpoint {path} holds {meta.get('format', 'the state_dict layout of ShardShift before training-state/1')}, "
-            f"not {FORMAT}: this version cannot read it; resume it with the version that wrote it, or start again"
-        )
-    if meta["model_config"] != {k: getattr(model_config, k) for k in meta["model_config"]}:
-        raise ValueError(
-            f"checkpoint {path} holds model {meta['model']!r} {meta['model_config']}, not "
-            f"{model_name!r}; resume with --model {meta['model']}"
-        )
-    if meta["global_batch"] != global_batch or meta["seed"] != seed:
-        raise ValueError(
-            f"checkpoint {path} was trained with --global-batch {meta['global_batch']} --seed "
-            f"{meta['seed']}; resume with the same values so the data stream continues where it stopped"
-        )

@@ -61,7 +61,8 @@ class TrainConfig:
     data: str | None = None  # text file; None means the shipped corpus
     save: str | None = None  # checkpoint directory
     save_every: int = 0  # save every K steps (and at the end) when `save` is set; 0: only at the end
-    resume: str | None = None  # checkpoint directory (or one checkpoint in it) to resume from
+    keep_checkpoints: int = 0  # keep the newest K checkpoints in `save` (0: all)
+    resume: str | None = None  # checkpoint directory (or one checkpoint in it); "auto": `save`'s, if any
     metrics: str | None = None  # JSONL file that rank 0 appends one object per step to
     log_every: int = 1
     # Online layout switches: (step, layout) switches before that step (1-based) runs.
@@ -82,6 +83,12 @@ class TrainConfig:
             raise ValueError(f"--save-every {self.save_every} must be >= 0")
         if self.save_every and not self.save:
             raise ValueError("--save-every needs --save DIR")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 0 (0 keeps all)")
+        if self.keep_checkpoints and not self.save:
+            raise ValueError("--keep-checkpoints needs --save DIR")
+        if self.resume == "auto" and not self.save:
+            raise ValueError("--resume auto resumes from --save's directory: give --save DIR too")
         if self.micro_batches < 0:
             raise ValueError(f"--micro-batches {self.micro_batches} must be >= 1")
         object.__setattr__(self, "auto_micro_batches", self.micro_batches == 0)
@@ -110,6 +117,11 @@ class TrainConfig:
             previous = step
         if self.switch_budget < MIN_BUDGET:
             raise ValueError(f"--switch-budget {self.switch_budget} bytes is too small; give at least 4K")
+
+    @property
+    def resume_from(self) -> str | None:
+        """The directory (or checkpoint) a resume looks in: `resume`, or `save` for "auto"."""
+        return self.save if self.resume == "auto" else self.resume
 
     def with_layout(self, layout: Layout) -> "TrainConfig":
         """This configuration under another layout; ValueError if the model or batch cannot take it."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import importlib.resources
 from pathlib import Path
 
@@ -29,6 +30,11 @@ def encode(text: str) -> np.ndarray:
 
 def decode(tokens) -> str:
     return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def digest(tokens: np.ndarray) -> str:
+    """A digest of a token stream's bytes: the data a run trained on, as a checkpoint records it."""
+    return hashlib.blake2b(np.ascontiguousarray(tokens).tobytes(), digest_size=16).hexdigest()
 
 
 def load_tokens(path: str | None) -> np.ndarray:
@@ -61,6 +67,10 @@ class BatchStream:
                 f"seq_len+1={self.seq_len + 1} bytes, fewer than one global batch of "
                 f"{self.global_batch}; use a longer text, a shorter sequence or a smaller batch"
             )
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return digest(self.tokens)
 
     @property
     def num_windows(self) -> int:

@@ -1,41 +1,111 @@
-"""One rank's whole run: join the group, build the trainer, resume, train, save, report."""
+"""One rank's whole run: join the group, resume, train, switch, save, report, and stop cleanly.
+
+How a run ends, and its exit status (the same on every rank):
+
+- 0: it reached `stop_at` (a checkpoint saved there when `--save` is given);
+- 128 + the signal: SIGTERM (preemption, the launcher passing on Ctrl-C) or SIGINT arrived. The
+  handler only records it; after each step the ranks agree (one tiny all-reduce) whether any got
+  one, finish that step, save a checkpoint when `--save` is given, and exit together;
+- 3: a step diverged (a non-finite loss or gradient norm, `trainer.Diverged`): the step is not
+  applied and nothing of it is saved;
+- 1: a switch failed while moving the state (a peer died, a transfer timed out): the state is
+  lost, the message names the rank and round and the checkpoint to resume from;
+- 2: bad input (one line, no traceback).
+
+With `--metrics`, rank 0 appends one JSON object per step, one per switch, and one ``resume``
+event when the run starts from a checkpoint (so that steps a crash made it redo are never
+mistaken for new ones).
+"""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from shardshift.comm import TransferError
 from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
+from shardshift.train.catalog import RunIdentity, checkpoints, choose
 from shardshift.train.config import TrainConfig
-from shardshift.train.trainer import StepResult, Trainer
+from shardshift.train.data import digest, load_tokens
+from shardshift.train.state import LostState
+from shardshift.train.trainer import Diverged, StepResult, Trainer
 from shardshift.units import format_size
 
+DIVERGED_EXIT = 3
 
-def _report(cfg: TrainConfig, result: StepResult, metrics) -> None:
+
+class Stopped(Exception):
+    """The ranks agreed to stop for a signal; `signum` is the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+class _Signals:
+    """SIGTERM and SIGINT, recorded while a run trains (the handler does nothing else)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in self.previous:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, _frame) -> None:
+        self.received = self.received or signum
+
+    def agreed(self, device: torch.device) -> int:
+        """The signal any rank received (0: none): a collective, so that all stop at one step."""
+        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class _Metrics:
+    """Rank 0's JSONL file of steps and events (a no-op elsewhere or without `--metrics`)."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.file = open(path, "a") if (path and rank == 0) else None
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _report(cfg: TrainConfig, result: StepResult, metrics: _Metrics) -> None:
     if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.stop_at):
         print(
             f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
             f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s",
             flush=True,
         )
-    if metrics is not None:
-        record = {
-            "step": result.step,
-            "loss": result.loss,
-            "layout": str(cfg.layout),
-            "step_time_s": result.step_time_s,
-            "tokens_per_s": result.tokens_per_s,
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-        }
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+    metrics.write({
+        "step": result.step,
+        "loss": result.loss,
+        "layout": str(cfg.layout),
+        "step_time_s": result.step_time_s,
+        "tokens_per_s": result.tokens_per_s,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+    })
 
 
-def _report_switch(report, metrics) -> None:
+def _report_switch(report, metrics: _Metrics) -> None:
     print(
         f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s "
         f"(prepared in {report.prepare_seconds:.2f} s{' ahead' if report.prepared_ahead else ''}): "
@@ -44,9 +114,7 @@ def _report_switch(report, metrics) -> None:
         f"per rank, {format_size(report.extra_mem_bytes)} over max(old, new) (budget {format_size(report.budget)})",
         flush=True,
     )
-    if metrics is not None:
-        metrics.write(json.dumps(report.event()) + "\n")
-        metrics.flush()
+    metrics.write(report.event())
 
 
 def run_training(cfg: TrainConfig, timeout_s: float) -> int:
@@ -54,51 +122,107 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
     return 0
 
 
+def _resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
+    """The checkpoint to resume from (None: start fresh), as rank 0 chose it: every rank gets the
+    same answer, or the same ValueError."""
+    answer: list = [None]
+    if rank == 0:
+        try:
+            choice = choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
+            if choice.skipped or choice.path is not None:
+                print(choice.describe(), flush=True)
+            elif cfg.resume == "auto":
+                print(f"no checkpoint in {cfg.save} yet: starting from step 0", flush=True)
+            answer = [str(choice.path) if choice.path is not None else None]
+        except ValueError as err:
+            answer = [err]
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], ValueError):
+        raise answer[0]
+    return None if answer[0] is None else Path(answer[0])
+
+
 def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     cfg.layout.check_world(proc.world_size)
-    trainer = Trainer(cfg, proc.rank, proc.device_type, timeout_s=timeout_s)
-    if cfg.resume:
-        path = checkpoint.resolve(cfg.resume)
-        checkpoint.load(trainer, path)
-        if proc.rank == 0:
-            print(f"resumed from {path} at step {trainer.progress.step} under {cfg.layout}", flush=True)
-    metrics = open(cfg.metrics, "a") if (cfg.metrics and proc.rank == 0) else None
+    tokens = load_tokens(cfg.data)
+    resume = _resume_point(cfg, tokens, proc.rank) if cfg.resume else None
+    trainer = Trainer(cfg, proc.rank, proc.device_type, tokens=tokens, timeout_s=timeout_s)
+    metrics = _Metrics(cfg.metrics, proc.rank)
+    if resume is not None:
+        checkpoint.load(trainer, resume)
+        metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),
+                       "layout": str(cfg.layout)})
     if proc.rank == 0:
         print(
             f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
             f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
             flush=True,
         )
+    signals = _Signals()
+    try:
+        _loop(cfg, trainer, proc.rank, metrics, signals)
+    except Stopped as stop:
+        if proc.rank == 0:
+            saved = f"; resume with --resume {cfg.save}" if cfg.save else " (no --save: nothing was saved)"
+            print(f"shardshift: stopped by signal {stop.signum} after step {trainer.progress.step}{saved}",
+                  file=sys.stderr, flush=True)
+        raise
+    except (TransferError, LostState) as err:
+        raise _SwitchFailed(err, cfg.save) from err
+    finally:
+        signals.restore()
+        metrics.close()
+    dist.barrier()
+
+
+def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: _Metrics, signals: _Signals) -> None:
     pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
     # The next switch is prepared (planned, its meshes and storage-less model built) ahead of
     # time, so that at its step only the state moves.
     prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
-    try:
-        while trainer.progress.step < cfg.stop_at:
-            if pending and pending[0][0] == trainer.progress.step + 1:
-                report = trainer.switch(prepared)
-                if proc.rank == 0:
-                    _report_switch(report, metrics)
-                pending.pop(0)
-                prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
-            result = trainer.train_step()
-            if proc.rank == 0:
-                _report(trainer.cfg, result, metrics)
-            step = trainer.progress.step
-            if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
-                path = checkpoint.save(trainer, cfg.save)
-                if proc.rank == 0:
-                    print(f"saved {path}", flush=True)
-    finally:
-        if metrics is not None:
-            metrics.close()
-    dist.barrier()
+    while trainer.progress.step < cfg.stop_at:
+        if pending and pending[0][0] == trainer.progress.step + 1:
+            report = trainer.switch(prepared)
+            if rank == 0:
+                _report_switch(report, metrics)
+            pending.pop(0)
+            prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
+        result = trainer.train_step()
+        if rank == 0:
+            _report(trainer.cfg, result, metrics)
+        step = trainer.progress.step
+        stop = signals.agreed(trainer.par.device)
+        if cfg.save and (stop or (cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
+            path = checkpoint.save(trainer, cfg.save, keep=cfg.keep_checkpoints)
+            if rank == 0:
+                print(f"saved {path}", flush=True)
+        if stop:
+            raise Stopped(stop)
+
+
+class _SwitchFailed(RuntimeError):
+    """A switch failed while moving the state; says where to resume from."""
+
+    def __init__(self, err: Exception, save: str | None) -> None:
+        newest = checkpoints(Path(save)) if save else []
+        where = (f"resume from {newest[0]} with --resume {save}" if newest
+                 else "no checkpoint was saved: start again (give --save to have one)")
+        super().__init__(f"{err}; the training state is lost: {where}")
 
 
 def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
-    """Run one rank; a user error prints one line, anything else its traceback; both exit non-zero."""
+    """Run one rank; every way a run ends is one line and an exit status (module docstring); a
+    bug is a traceback."""
     try:
         return run_training(cfg, timeout_s)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except Stopped as stop:
+        return 128 + stop.signum
+    except Diverged as err:
+        print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT
+    except _SwitchFailed as err:
+        print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
+        return 1

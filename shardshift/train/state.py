@@ -85,6 +85,11 @@ class TrainingState:
         out[RNG_KEY] = torch.get_rng_state()
         return out
 
+    def finite(self) -> bool:
+        """Whether every parameter and AdamW moment this rank holds is finite."""
+        return all(bool(torch.isfinite(local(t)).all()) for key, t in self.tensors().items()
+                   if key.startswith(("param:", "exp_avg")))
+
     def restore(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take the progress and the generator's state from `tensors` (as `tensors()` names them)."""
         step, position = (int(v) for v in tensors[PROGRESS_KEY])

@@ -10,6 +10,7 @@ lost and the trainer refusing to go on, saying why (resume from a checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -29,6 +30,16 @@ from shardshift.train.state import Progress, TrainingState
 from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_report, switch_state
 
 DEFAULT_TIMEOUT_S = 300.0  # a switch's transfers, as the job's collectives (`--timeout`)
+
+
+class Diverged(RuntimeError):
+    """Training produced non-finite values: a step's loss or gradient norm (the step is then not
+    applied: every rank sees the same global values, and stops alike), or the state itself (then
+    it is not saved)."""
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"step {step} diverged: {what}; nothing of it was saved. Lower --lr (or raise --warmup)")
+        self.step = step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +185,12 @@ class Trainer:
             local_loss = self._forward_backward(inputs, targets)
         ranks_per_stage = layout.dp * layout.fsdp * layout.tp
         grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip, ranks_per_stage)
+        loss = self._global_loss(local_loss)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise Diverged(progress.step + 1, f"loss {loss}, gradient norm {grad_norm}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._global_loss(local_loss)
 
         progress.step += 1
         progress.position += cfg.global_batch

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from support.dist import run_distributed
-from support.training import ATOL, full_parameters
+from support.training import ATOL, full_parameters, step_losses
 from shardshift.layout import Layout
 from shardshift.train import checkpoint
+from shardshift.train.catalog import check_intact
 from shardshift.train.config import TrainConfig, model_config
 from shardshift.train.trainer import Trainer
 
@@ -48,7 +49,7 @@ def _save_then_resume(rank: int, world_size: int, root: str) -> dict:
         checkpoint.save(first, directory)
         del first
         second = Trainer(_config(after), rank, "cpu")
-        checkpoint.load(second, checkpoint.resolve(directory))
+        checkpoint.load(second, checkpoint.checkpoint_dir(directory, SAVE_AT))
         assert second.progress.step == SAVE_AT and second.progress.position == SAVE_AT * 8
         losses += [second.train_step().loss for _ in range(STEPS - SAVE_AT)]
         out[(before, after)] = {"losses": losses, "params": full_parameters(second)}
@@ -60,7 +61,8 @@ def test_resume_under_another_layout_continues_the_curve(tmp_path, budget):
     per_rank = run_distributed(4, _save_then_resume, str(tmp_path), timeout_s=budget.left())
     expected = torch.tensor(reference["losses"], dtype=torch.float64)
     for pair in PAIRS:
-        assert checkpoint.read_meta(checkpoint.resolve(str(tmp_path / f"{pair[0]}-to-{pair[1]}")))["step"] == SAVE_AT
+        manifest = check_intact(checkpoint.checkpoint_dir(str(tmp_path / f"{pair[0]}-to-{pair[1]}"), SAVE_AT))
+        assert (manifest.step, manifest.layout) == (SAVE_AT, str(Layout.parse(pair[0])))
         for rank, results in enumerate(per_rank):
             got = torch.tensor(results[pair]["losses"], dtype=torch.float64)
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=0, msg=f"{pair} rank {rank}")
@@ -76,9 +78,6 @@ def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     )
 
 
-def _losses(path) -> list[float]:
-    return [json.loads(line)["loss"] for line in open(path)]
-
 
 def test_cli_save_and_resume_under_another_layout(tmp_path, budget):
     ref = _cli("--nproc", "1", "--steps", "4", "--metrics", str(tmp_path / "ref.jsonl"), timeout=budget.left())
@@ -91,12 +90,13 @@ def test_cli_save_and_resume_under_another_layout(tmp_path, budget):
                   "--metrics", str(tmp_path / "run.jsonl"), timeout=budget.left())
     assert second.returncode == 0, second.stderr
     records = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert [r["layout"] for r in records] == ["fsdp=2", "fsdp=2", "tp=2", "tp=2"]
-    for record in records:
+    assert [(r.get("event", "step"), r["step"], r["layout"]) for r in records] == [
+        ("step", 1, "fsdp=2"), ("step", 2, "fsdp=2"), ("resume", 2, "tp=2"), ("step", 3, "tp=2"), ("step", 4, "tp=2")]
+    assert records[2]["checkpoint"] == str(tmp_path / "ckpt" / "step-00000002")
+    for record in (r for r in records if "event" not in r):
         assert {"step", "loss", "layout", "step_time_s", "tokens_per_s"} <= record.keys()
         assert isinstance(record["loss"], float)
     torch.testing.assert_close(
-        torch.tensor(_losses(tmp_path / "run.jsonl"), dtype=torch.float64),
-        torch.tensor(_losses(tmp_path / "ref.jsonl"), dtype=torch.float64), rtol=1e-9, atol=0,
+        torch.tensor(list(step_losses(tmp_path / "run.jsonl").values()), dtype=torch.float64),
+        torch.tensor(list(step_losses(tmp_path / "ref.jsonl").values()), dtype=torch.float64), rtol=1e-9, atol=0,
     )

@@ -55,7 +55,7 @@ def _training(tmp_path, until_step: int | None):
     finally:
         launcher.kill()
         launcher.wait()
-    assert _pids(str(text)) == []
+    assert _gone(_pids(str(text))), "a rank outlived its launcher"  # they stop after their step
 
 
 def test_invalid_layout_from_the_shell_exits_2(budget):
@@ -107,3 +107,11 @@ def test_the_command_line_parses_without_importing_torch(budget):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=budget.left())
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_a_local_job_listens_on_loopback_only(tmp_path, budget):
+    with _training(tmp_path, until_step=2) as (launcher, ranks):
+        sockets = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+        mine = [line.split()[3] for line in sockets if any(f"pid={pid}," in line for pid in ranks)]
+        assert mine, sockets  # gloo listens for its peers
+        assert all(addr.startswith(("127.", "[::1]")) for addr in mine), mine

@@ -10,9 +10,8 @@ import sys
 import pytest
 import torch
 
+from support.training import step_losses
 
-def _losses(path) -> list[float]:
-    return [record["loss"] for record in map(json.loads, open(path)) if "loss" in record]
 
 
 def test_torchrun_matches_the_local_launcher(tmp_path, budget):
@@ -36,6 +35,6 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     # Rank 0 alone wrote the metrics; the layout was switched online twice under torchrun.
     assert [r.get("layout", r.get("event")) for r in records] == ["tp=2", "switch", "fsdp=2", "switch", "pp=2"]
     torch.testing.assert_close(
-        torch.tensor(_losses(tmp_path / "torchrun.jsonl"), dtype=torch.float64),
-        torch.tensor(_losses(tmp_path / "local.jsonl"), dtype=torch.float64), rtol=1e-9, atol=0,
+        torch.tensor(list(step_losses(tmp_path / "torchrun.jsonl").values()), dtype=torch.float64),
+        torch.tensor(list(step_losses(tmp_path / "local.jsonl").values()), dtype=torch.float64), rtol=1e-9, atol=0,
     )

@@ -3,6 +3,8 @@ so that runs under different layouts can be compared element for element."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -35,3 +37,14 @@ def differences(a: dict, b: dict) -> list[str]:
         if not same or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
             bad.append(key)
     return bad
+
+
+def metrics(path) -> list[dict]:
+    """The records of a `--metrics` file."""
+    return [json.loads(line) for line in open(path)]
+
+
+def step_losses(path) -> dict[int, float]:
+    """The loss of every step of a `--metrics` file (the last record of a step that was run again
+    after a resume)."""
+    return {r["step"]: r["loss"] for r in metrics(path) if "loss" in r}
