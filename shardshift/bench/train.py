@@ -46,6 +46,8 @@ class TrainBenchOptions:
                 raise ValueError(f"--{name} {getattr(self, name)} must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"--warmup {self.warmup} must be >= 0")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout {self.timeout_s} must be > 0 seconds")
         if self.base.steps < self.warmup + self.steps * self.rounds:
             raise ValueError(f"the run's --steps {self.base.steps} is shorter than the bench's "
                              f"{self.warmup + self.steps * self.rounds} steps per variant")

@@ -16,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from shardshift.cli.topo import add_topology_arguments, topology_from_args
+from shardshift.cli.topo import add_topology_arguments, pack_options_from_args, topology_from_args
 from shardshift.collectives.planning.ops import Collective
 from shardshift.layout import Layout
 
@@ -63,6 +63,16 @@ def _job(args: argparse.Namespace, build: Callable[[], object], rank_main: Calla
     except ValueError as err:  # e.g. an emulated network that cannot be built here
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
+
+
+def _positive(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{flag} {text} must be > 0")
+    return value
 
 
 def _layouts(text: str) -> tuple[Layout, ...]:
@@ -189,7 +199,10 @@ def _packing_options(args: argparse.Namespace):
         sizes = (int(lo), int(hi or lo))
     except ValueError:
         raise ValueError(f"--sizes {args.sizes!r}: give subset sizes 'lo:hi', e.g. 3:8") from None
-    ops = tuple(Collective.parse(op) for op in args.ops.split(",") if op.strip())
+    try:
+        ops = tuple(Collective.parse(op) for op in args.ops.split(",") if op.strip())
+    except ValueError as err:
+        raise ValueError(f"--ops {args.ops}: {err}") from None
     return PackingBenchOptions(sizes=sizes, pcie=args.pcie, ops=ops, limit=args.limit,
                                skip_large=args.skip_large, json=args.json)
 
@@ -254,7 +267,6 @@ def _add_collectives(benches) -> None:
 def _collectives_options(args: argparse.Namespace):
     from shardshift.bench.collectives import CollectivesBenchOptions
     from shardshift.collectives.execution.runner import RunOptions
-    from shardshift.collectives.planning.packing import PackOptions
     from shardshift.netemu.topology import auto_scale, scaled
     from shardshift.units import parse_size_list
 
@@ -268,12 +280,17 @@ def _collectives_options(args: argparse.Namespace):
         if args.preset == "fat-tree" and args.hosts is None:
             args.hosts = args.nproc
         topology = topology_from_args(args)
+    for flag, value in (("--timeout", args.timeout), ("--window", args.window), ("--min-chunk-bytes", args.min_chunk_bytes),
+                        ("--max-chunks", args.max_chunks), ("--max-total-chunks", args.max_total_chunks),
+                        ("--chunk-seconds", args.chunk_seconds)):
+        if not value > 0:
+            raise ValueError(f"{flag} {value} must be > 0")
     scale = 1.0
     if args.emulate and topology is not None:
-        scale = auto_scale(topology) if args.emulate_scale == "auto" else float(args.emulate_scale)
+        scale = auto_scale(topology) if args.emulate_scale == "auto" else _positive(args.emulate_scale, "--emulate-scale")
         if scale != 1.0:
             topology = scaled(topology, scale)  # what the emulated network is: plans see its rates
-    pack = PackOptions(keep=args.keep, max_trees=args.max_trees, depth=args.depth)
+    pack = pack_options_from_args(args)
     run = RunOptions(mode=args.mode, timeout_s=args.timeout, window=args.window, min_chunk_bytes=args.min_chunk_bytes,
                      max_chunks_per_tree=args.max_chunks, max_chunks_total=args.max_total_chunks,
                      chunk_seconds=args.chunk_seconds, pack_options=pack)

@@ -51,6 +51,18 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
                    help="ring, full, fat-tree: link rate, e.g. '1 Gbit/s' or 25e9 (bytes/s)")
 
 
+def pack_options_from_args(args: argparse.Namespace):
+    """The packing options of `--method` (where the command has it), `--keep`, `--max-trees`, `--depth`."""
+    from shardshift.collectives.planning.packing import PackOptions
+
+    if not 0 < args.keep <= 1:
+        raise ValueError(f"--keep {args.keep}: give a fraction in (0, 1], e.g. 0.99")
+    if args.max_trees is not None and args.max_trees < 1:
+        raise ValueError(f"--max-trees {args.max_trees}: give at least 1 (or leave it out: no cap)")
+    return PackOptions(method=getattr(args, "method", "lp"), keep=args.keep, max_trees=args.max_trees,
+                       depth=args.depth)
+
+
 def topology_from_args(args: argparse.Namespace):
     """The topology named on the command line; ValueError says what is missing or wrong."""
     from shardshift.collectives.topology.io import load_topology
@@ -83,8 +95,17 @@ def topology_from_args(args: argparse.Namespace):
     if args.bandwidth is not None:
         if name not in ("ring", "full", "fat-tree"):
             raise ValueError(f"--bandwidth applies to ring, full and fat-tree, not {name}")
-        params["host_bandwidth" if name == "fat-tree" else "bandwidth"] = parse_rate(args.bandwidth)
-    return preset(name, **params)
+        try:
+            params["host_bandwidth" if name == "fat-tree" else "bandwidth"] = parse_rate(args.bandwidth)
+        except ValueError as err:
+            raise ValueError(f"--bandwidth: {err}") from None
+    flags = {"gpus": "--gpus", "n": "--ranks", "hosts": "--hosts", "hosts_per_leaf": "--hosts-per-leaf",
+             "bandwidth": "--bandwidth", "host_bandwidth": "--bandwidth"}
+    try:
+        return preset(name, **params)
+    except ValueError as err:  # name the flags the preset was given
+        given = " ".join(f"{flags[k]} {getattr(args, flags[k][2:].replace('-', '_'))}" for k in params if k in flags)
+        raise ValueError(f"--preset {name} {given}: {err}") from None
 
 
 def packing_summary(packing, link_unit: float | None) -> dict:
@@ -120,12 +141,14 @@ def packing_summary(packing, link_unit: float | None) -> dict:
 
 
 def run_pack(args: argparse.Namespace) -> int:
-    from shardshift.collectives.planning.packing import Method, PackOptions, describe, pack
+    from shardshift.collectives.planning.packing import describe, pack
 
     try:
         topology = topology_from_args(args)
-        options = PackOptions(method=Method(args.method), keep=args.keep, max_trees=args.max_trees,
-                              depth=args.depth)
+        if not 0 <= args.root < topology.num_ranks:
+            raise ValueError(f"--root {args.root} is not a rank of {topology.name}; choose one of "
+                             f"0..{topology.num_ranks - 1}")
+        options = pack_options_from_args(args)
         packing = pack(topology, args.op, root=args.root, options=options)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)

@@ -63,10 +63,12 @@ def parse_switch(text: str) -> tuple[int, Layout]:
     return int(step), Layout.parse(layout)
 
 
-def _switches(args: argparse.Namespace) -> tuple[tuple[int, Layout], ...]:
+def _switches(args: argparse.Namespace, layout: Layout) -> tuple[tuple[int, Layout], ...]:
+    """The --switch flags; without any, the default run's switches when the job is the default one
+    (no --layout, and the default layout's world: `layout` is what the run resolved)."""
     if args.switch is not None:
         return tuple(parse_switch(text) for text in args.switch)
-    if args.layout is not None or (args.nproc not in (None, DEFAULT_LAYOUT.world_size)):
+    if args.layout is not None or layout != DEFAULT_LAYOUT:
         return ()
     steps = [max(2, round(fraction * args.steps) + 1) for fraction, _ in DEFAULT_SWITCHES]
     return tuple(
@@ -98,7 +100,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         resume=args.resume,
         metrics=args.metrics,
         log_every=args.log_every,
-        switches=_switches(args),
+        switches=_switches(args, layout),
         switch_budget=parse_size(args.switch_budget, "--switch-budget"),
     )
 
@@ -135,13 +137,27 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
     return argv
 
 
-def _check_before_launch(cfg) -> None:
+def _check_before_launch(cfg, log_dir: str | None) -> None:
     """What the workers would refuse, refused before they start (they check again: under torchrun
     nothing runs before them)."""
-    from shardshift.train.catalog import RunIdentity, choose
-    from shardshift.train.data import digest, load_tokens
+    from pathlib import Path
 
+    from shardshift.train.catalog import RunIdentity, choose
+    from shardshift.train.data import BatchStream, digest, load_tokens
+
+    for flag, value in (("--save", cfg.save), ("--log-dir", log_dir)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"{flag} {value}: a file is in the way; give a directory")
+    if cfg.metrics is not None:
+        metrics = Path(cfg.metrics)
+        if metrics.is_dir() or not metrics.parent.is_dir():
+            raise ValueError(f"--metrics {cfg.metrics}: " + ("is a directory; give a file in it" if metrics.is_dir()
+                             else f"no directory {metrics.parent}; create it or give another path"))
     tokens = load_tokens(cfg.data)
+    try:
+        BatchStream(tokens, cfg.model.seq_len, cfg.global_batch, cfg.seed)
+    except ValueError as err:
+        raise ValueError(f"--data {cfg.data or '(the shipped corpus)'}: {err}") from None
     if cfg.resume:
         choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
 
@@ -168,13 +184,15 @@ def _layout(args: argparse.Namespace, nproc: int | None) -> Layout:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
         nproc = _world_size(args)
         layout = _layout(args, nproc)
         nproc = layout.world_size if nproc is None else nproc
         layout.check_world(nproc)
         cfg = config_from_args(args, layout)  # also checks every --switch layout against the job
         if not in_worker():
-            _check_before_launch(cfg)
+            _check_before_launch(cfg, args.log_dir)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2

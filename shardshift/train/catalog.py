@@ -170,6 +170,8 @@ def choose(where: str, run: RunIdentity, missing_ok: bool = False) -> Choice:
     field that differs. With `missing_ok` (``--resume auto``), no checkpoint is a choice of None."""
     root = Path(where)
     flag = f"--resume {where}"
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{flag}: a file, not a directory; give a --save directory of an earlier run")
     if not root.is_dir():
         if missing_ok:
             return Choice(None, None, ())

@@ -75,6 +75,10 @@ class TrainConfig:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be >= 1")
+        if self.global_batch < 1:
+            raise ValueError(f"--global-batch {self.global_batch} must be >= 1")
+        if self.log_every < 0:
+            raise ValueError(f"--log-every {self.log_every} must be >= 0 (0: print no steps)")
         if self.stop_at == 0:
             object.__setattr__(self, "stop_at", self.steps)
         if not 1 <= self.stop_at <= self.steps:

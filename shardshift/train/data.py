@@ -37,8 +37,14 @@ def digest(tokens: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(tokens).tobytes(), digest_size=16).hexdigest()
 
 
+# Leading bytes of compressed formats, which would otherwise train on noise.
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+               b"\x28\xb5\x2f\xfd": "zstd"}
+
+
 def load_tokens(path: str | None) -> np.ndarray:
-    """Token ids of a text file, or of the shipped corpus when `path` is None."""
+    """Token ids of a UTF-8 text file (gzipped if its name ends in .gz), or of the shipped corpus
+    when `path` is None. ValueError, naming ``--data``, for anything that is not text."""
     if path is None:
         raw = importlib.resources.files("shardshift.data").joinpath(DEFAULT_CORPUS).read_bytes()
         return np.frombuffer(gzip.decompress(raw), dtype=np.uint8)
@@ -47,7 +53,23 @@ def load_tokens(path: str | None) -> np.ndarray:
         raise ValueError(f"--data {path}: no such file; give the path of a text file")
     raw = file.read_bytes()
     if path.endswith(".gz"):
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as err:
+            raise ValueError(f"--data {path}: its name ends in .gz but it is not gzip ({err})") from None
+    kind = next((name for magic, name in _COMPRESSED.items() if raw.startswith(magic)), None)
+    if kind is not None:
+        raise ValueError(f"--data {path}: the file is {kind}-compressed; decompress it"
+                         + (", or name it .gz" if kind == "gzip" else ""))
+    if not raw:
+        raise ValueError(f"--data {path}: the file is empty; give a text file")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--data {path}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); give a "
+                         "text file, converted to UTF-8 if it is in another encoding") from None
+    if b"\x00" in raw:
+        raise ValueError(f"--data {path}: it holds NUL bytes, which text does not; give a text file")
     return np.frombuffer(raw, dtype=np.uint8)
 
 

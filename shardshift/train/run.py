@@ -168,7 +168,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
                   file=sys.stderr, flush=True)
         raise
     except (TransferError, LostState) as err:
-        raise _SwitchFailed(err, cfg.save) from err
+        raise SwitchFailed(err, cfg.save) from err
     finally:
         signals.restore()
         metrics.close()
@@ -200,7 +200,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: _Metrics, sign
             raise Stopped(stop)
 
 
-class _SwitchFailed(RuntimeError):
+class SwitchFailed(RuntimeError):
     """A switch failed while moving the state; says where to resume from."""
 
     def __init__(self, err: Exception, save: str | None) -> None:
@@ -223,6 +223,6 @@ def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
     except Diverged as err:
         print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
         return DIVERGED_EXIT
-    except _SwitchFailed as err:
+    except SwitchFailed as err:
         print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
         return 1

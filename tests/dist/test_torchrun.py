@@ -20,7 +20,7 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     under_torchrun = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", *common,
-         "--layout", "tp=2", "--switch", "2:fsdp=2", "--switch", "3:pp=2",
+         "--layout", "tp=2", "--switch", "2:fsdp=2", "--switch", "3:pp=2", "--save", str(tmp_path / "ckpt"),
          "--metrics", str(tmp_path / "torchrun.jsonl")],
         capture_output=True, text=True, timeout=budget.left(),
     )
@@ -38,3 +38,14 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
         torch.tensor(list(step_losses(tmp_path / "torchrun.jsonl").values()), dtype=torch.float64),
         torch.tensor(list(step_losses(tmp_path / "local.jsonl").values()), dtype=torch.float64), rtol=1e-9, atol=0,
     )
+
+    # A resume under torchrun checks the run's identity too (nothing runs before its workers).
+    other = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", *common, "--steps", "6",
+         "--resume", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=budget.left(),
+    )
+    assert other.returncode != 0
+    assert "was saved by another run: --steps: steps is 3 in the checkpoint, 6 in this run" in other.stderr
+    ours = [line for line in other.stderr.splitlines() if line.strip().startswith("File ") and "/shardshift/" in line]
+    assert ours == [], other.stderr[-3000:]  # one line from us; the traceback after it is torchrun's own

@@ -88,3 +88,16 @@ def test_nothing_to_resume_from(tmp_path):
     (tmp_path / (PARTIAL_PREFIX + "step-00000004")).mkdir()
     auto = choose(str(tmp_path), RUN, missing_ok=True)
     assert auto.path is None and len(auto.skipped) == 1
+
+
+def test_a_failed_switch_says_which_checkpoint_to_resume_from(tmp_path):
+    from shardshift.comm import TransferError
+    from shardshift.train.run import SwitchFailed
+
+    lost = TransferError("rank 0: switch round 2 of 5: receiving 1.0 MiB from rank 3 (tag 1) failed: reset", peer=3)
+    assert "no checkpoint was saved" in str(SwitchFailed(lost, None))
+    _checkpoint(tmp_path, 2)
+    _checkpoint(tmp_path, 4)
+    message = str(SwitchFailed(lost, str(tmp_path)))
+    assert message.startswith("rank 0: switch round 2 of 5") and "from rank 3" in message
+    assert f"resume from {tmp_path / 'step-00000004'} with --resume {tmp_path}" in message

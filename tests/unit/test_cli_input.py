@@ -4,6 +4,7 @@ process starts (these tests run `main` in the test process; no launcher is reach
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import re
 
@@ -14,9 +15,14 @@ from shardshift.cli.main import main
 
 @pytest.fixture(autouse=True)
 def _not_a_worker(monkeypatch):
-    """Run as a user's shell would: not as a rank of a job."""
+    """Run as a user's shell would: not as a rank of a job; and fail if any process is started."""
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("bad input reached the launcher: a process would have been started")
+
+    monkeypatch.setattr("shardshift.launch.start_ranks", no_process)
 
 
 @pytest.mark.parametrize(
@@ -77,8 +83,8 @@ def test_bench_switch_refuses_bad_input_before_any_process_starts(argv, message,
     (["--op", "broadcast", "--preset", "dgx1v", "--gpus", "0,1,2", "--nproc", "4"], "topology has 3 ranks"),
     (["--op", "allgather", "--nproc", "2", "--impls", "gloo,nccl"], "choose from gloo, ring, trees, auto"),
     (["--op", "allgather", "--nproc", "2", "--sizes", "0"], "at least 1 byte"),
-    (["--op", "allreduce", "--nproc", "2", "--keep", "1.5"], "give a fraction in (0, 1]"),
-    (["--op", "allreduce", "--nproc", "2", "--max-trees", "0"], "max_trees=0: give at least 1"),
+    (["--op", "allreduce", "--nproc", "2", "--keep", "1.5"], "--keep 1.5: give a fraction in (0, 1]"),
+    (["--op", "allreduce", "--nproc", "2", "--max-trees", "0"], "--max-trees 0: give at least 1"),
 ])
 def test_bench_collectives_refuses_bad_input_before_any_process_starts(argv, message, capsys):
     assert main(["bench", "collectives", *argv]) == 2
@@ -131,3 +137,84 @@ def test_resuming_a_checkpoint_of_another_format_is_refused(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no complete checkpoint in it" in err and "format 'no format', not training-state/1" in err, err
+
+
+def _files(tmp) -> dict[str, str]:
+    """Bad files for the table below, by the name the table uses."""
+    files = {"empty": ("empty.txt", b""), "short": ("short.txt", b"far too short for one batch"),
+             "binary": ("model.bin", bytes(range(256)) * 64),
+             "zipped": ("zipped.txt", gzip.compress(b"To be, or not to be. " * 1000)),
+             "badgz": ("bad.gz", b"not gzip at all"), "nul": ("nul.txt", b"text\x00with a NUL" * 100),
+             "afile": ("afile", b"a file where a directory belongs"), "badyaml": ("bad.yaml", b"ranks: [0, 1\nlinks: [")}
+    for name, content in files.values():
+        (tmp / name).write_bytes(content)
+    (tmp / "dir").mkdir()
+    return {key: str(tmp / name) for key, (name, _) in files.items()} | {"dir": str(tmp / "dir")}
+
+
+BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error must say
+    (["train", "--data", "{empty}"], "--data {empty}: the file is empty"),
+    (["train", "--data", "{short}"], "--data {short}: the text has 27 bytes"),
+    (["train", "--data", "{binary}"], "--data {binary}: not UTF-8 text"),
+    (["train", "--data", "{zipped}"], "--data {zipped}: the file is gzip-compressed"),
+    (["train", "--data", "{badgz}"], "--data {badgz}: its name ends in .gz but it is not gzip"),
+    (["train", "--data", "{nul}"], "--data {nul}: it holds NUL bytes"),
+    (["train", "--timeout", "0"], "--timeout 0.0 must be > 0"),
+    (["train", "--global-batch", "0"], "--global-batch 0 must be >= 1"),
+    (["train", "--log-every", "-1"], "--log-every -1 must be >= 0"),
+    (["train", "--save", "{afile}"], "--save {afile}: a file is in the way"),
+    (["train", "--log-dir", "{afile}"], "--log-dir {afile}: a file is in the way"),
+    (["train", "--metrics", "{dir}"], "--metrics {dir}: is a directory"),
+    (["train", "--metrics", "{dir}/missing/m.jsonl"], "--metrics {dir}/missing/m.jsonl: no directory"),
+    (["train", "--resume", "{afile}"], "--resume {afile}: a file, not a directory"),
+    (["train", "--resume", "{dir}"], "--resume {dir}: no complete checkpoint"),
+    (["train", "--resume", "auto"], "--resume auto resumes from --save's directory: give --save DIR"),
+    (["train", "--keep-checkpoints", "-1", "--save", "{dir}"], "--keep-checkpoints -1 must be >= 0"),
+    (["train", "--keep-checkpoints", "2"], "--keep-checkpoints needs --save DIR"),
+    (["train", "--switch-budget", "lots"], "--switch-budget 'lots' is not a number of bytes"),
+    (["bench", "train", "--timeout", "0"], "--timeout 0.0 must be > 0"),
+    (["bench", "train", "--rounds", "0"], "--rounds 0 must be >= 1"),
+    (["bench", "switch", "--suite", "--p2p-size", "0"], "--p2p-size '0' must be at least 1 byte"),
+    (["bench", "switch", "--suite", "--timeout", "-1"], "--timeout -1.0 must be > 0"),
+    (["bench", "packing", "--ops", "gather"], "--ops gather: unknown collective 'gather'"),
+    (["bench", "packing", "--sizes", "x"], "--sizes 'x': give subset sizes"),
+    (["bench", "packing", "--limit", "-1"], "--limit -1 must be >= 0"),
+    (["bench", "collectives", "--op", "allreduce", "--nproc", "2", "--timeout", "0"], "--timeout 0.0 must be > 0"),
+    (["bench", "collectives", "--op", "allreduce", "--nproc", "2", "--window", "0"], "--window 0 must be > 0"),
+    (["bench", "collectives", "--op", "allreduce", "--nproc", "2", "--chunk-seconds", "-1"], "--chunk-seconds -1.0"),
+    (["bench", "collectives", "--op", "allreduce", "--preset", "full", "--nproc", "2", "--emulate",
+      "--emulate-scale", "fast"], "--emulate-scale 'fast' is not a number"),
+    (["bench", "collectives", "--op", "allreduce", "--preset", "full", "--nproc", "2", "--emulate",
+      "--emulate-scale", "0"], "--emulate-scale 0 must be > 0"),
+    (["bench", "collectives", "--op", "allreduce", "--topology", "{badyaml}"], "topology file {badyaml} is not valid YAML"),
+    (["bench", "collectives", "--op", "broadcast", "--nproc", "2", "--root", "5"], "--root 5 is not a rank"),
+    (["topo", "pack", "--topology", "{badyaml}", "--op", "broadcast"], "topology file {badyaml} is not valid YAML"),
+    (["topo", "pack", "--topology", "{dir}/none.yaml", "--op", "broadcast"], "cannot read topology file"),
+    (["topo", "pack", "--preset", "ring", "--ranks", "1", "--op", "broadcast"], "--preset ring --ranks 1: n=1"),
+    (["topo", "pack", "--preset", "dgx1v", "--gpus", "0,9", "--op", "reduce"], "--preset dgx1v --gpus 0,9: gpu 9"),
+    (["topo", "pack", "--preset", "full", "--ranks", "3", "--op", "broadcast", "--root", "7"], "--root 7 is not a rank"),
+    (["topo", "pack", "--preset", "full", "--ranks", "3", "--op", "broadcast", "--keep", "0"], "--keep 0.0"),
+    (["topo", "show", "--preset", "ring", "--ranks", "3", "--bandwidth", "fast"], "--bandwidth: cannot read rate"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_every_command_refuses_bad_input_in_one_line(argv, needle, tmp_path, capsys):
+    files = _files(tmp_path)
+    argv = [arg.format(**files) for arg in argv]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("shardshift: error: ") and err.count("\n") == 1, err
+    assert needle.format(**files) in err, err
+    assert "Traceback" not in out + err
+
+
+def test_the_default_switches_belong_to_the_default_job_only():
+    """Under torchrun with 2 processes and no --layout, the 4-rank default switches were applied."""
+    from shardshift.cli.main import build_parser
+    from shardshift.cli.train import DEFAULT_LAYOUT, config_from_args
+    from shardshift.layout import Layout
+
+    args = build_parser(["train"]).parse_args(["train", "--model", "test", "--global-batch", "8"])
+    assert config_from_args(args, Layout(dp=2)).switches == ()
+    assert [layout for _, layout in config_from_args(args, DEFAULT_LAYOUT).switches] == [Layout(tp=2, pp=2), Layout(fsdp=4)]

@@ -35,8 +35,10 @@ def load_topology(path: str | Path) -> Topology:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ValueError(f"cannot read topology file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"topology file {path} is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # one line: what and where
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"topology file {path} is not valid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
     try:
         return topology_from_dict(data)
     except ValueError as exc:
