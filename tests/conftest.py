@@ -15,6 +15,7 @@ processes left behind.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def time_limit(node, config) -> float:
     """The pytest-timeout limit of a test, in seconds."""
     marker = node.get_closest_marker("timeout")
     return float(marker.args[0]) if marker is not None else float(config.getini("timeout"))
+
+
+@pytest.fixture(autouse=True)
+def _no_temp_dir_left(request):
+    """A test that starts processes must not leave a launcher's directory (store, logs) behind."""
+    if request.node.get_closest_marker("multiproc") is None:
+        yield
+        return
+    before = set(Path(tempfile.gettempdir()).glob("shardshift-*"))
+    yield
+    left = set(Path(tempfile.gettempdir()).glob("shardshift-*")) - before
+    assert not left, f"left behind: {sorted(map(str, left))}"
 
 
 class Budget:

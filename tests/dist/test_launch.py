@@ -37,7 +37,8 @@ def _training(tmp_path, until_step: int | None):
     PIDs. The launcher is killed on the way out, whatever the test did."""
     text = tmp_path / "corpus.txt"
     text.write_text("All the world's a stage, and all the men and women merely players. " * 200)
-    launcher = subprocess.Popen([*TRAIN, "--steps", "100000", "--data", str(text), "--timeout", "600"],
+    launcher = subprocess.Popen([*TRAIN, "--steps", "100000", "--data", str(text), "--timeout", "600",
+                                 "--log-dir", str(tmp_path / "logs")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ranks = []
@@ -66,13 +67,21 @@ def test_invalid_layout_from_the_shell_exits_2(budget):
 
 
 def test_worker_error_stops_the_job_with_its_message(tmp_path, budget):
-    text = tmp_path / "short.txt"
-    text.write_text("far too short for one batch")
-    run = subprocess.run([*TRAIN, "--data", str(text)], capture_output=True, text=True, timeout=budget.left())
-    assert run.returncode != 0
-    assert "fewer than one global batch" in run.stderr
-    assert "worker rank" in run.stderr and "stopped the other workers" in run.stderr
-    assert _pids(str(text)) == []
+    """Rank 1 fails as it starts (a `sitecustomize` that only ranks of number 1 run: every input was
+    valid, so only a worker can fail), while rank 0 waits for it in the group."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        'import os, sys\nif os.environ.get("RANK") == "1":\n'
+        '    sys.exit("injected: rank 1 cannot start (sitecustomize)")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([*TRAIN, "--steps", "100000", "--log-dir", str(tmp_path / "logs")], capture_output=True,
+                         text=True, timeout=budget.left(), env=env)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "worker rank 1 exited with code 1; stopped the other workers" in run.stderr
+    assert "injected: rank 1 cannot start" in run.stderr  # its last lines, repeated from its log
+    assert f"the output of rank 1 is in {tmp_path / 'logs'}" in run.stderr
+    assert (tmp_path / "logs" / "rank-1.log").read_text().strip().endswith("(sitecustomize)")
 
 
 def test_a_killed_worker_stops_the_others_instead_of_hanging(tmp_path, budget):
