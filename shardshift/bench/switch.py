@@ -241,7 +241,8 @@ def _restart(cfg: TrainConfig, path: Path, step: int, nproc: int, timeout_s: flo
         tail = "\n".join(lines[-20:])
         raise RestartFailed(f"the restart job {' '.join(argv[2:])} exited with code {code} without "
                             f"finishing a step; its last output:\n{tail}", reason)
-    step_seconds = json.loads(metrics.read_text().splitlines()[0])["step_time_s"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    step_seconds = next(r["step_time_s"] for r in records if "step_time_s" in r)  # after its resume event
     return Restart(first_line - step_seconds, step_seconds, job_seconds)
 
 
