@@ -5,6 +5,7 @@ directory of the launcher left. After a resume, the float64 losses equal the uni
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from shardshift.train.catalog import PARTIAL_PREFIX, checkpoints
+from shardshift.train.catalog import PARTIAL_PREFIX, check_intact, checkpoints
 from support.dist import pid_alive
 from support.training import metrics, step_losses
 
@@ -135,3 +136,30 @@ def test_a_diverging_run_stops_and_saves_nothing_of_it(tmp_path, budget):
     assert diverged is not None, run.stderr[-3000:]
     assert "Lower --lr" in run.stderr
     assert all(int(p.name.split("-")[1]) < diverged for p in checkpoints(ckpt))
+
+
+def test_a_switch_whose_peer_dies_stops_the_job_and_names_the_checkpoint(tmp_path, budget):
+    """Rank 1 is SIGKILLed by itself as it starts moving its state (a `sitecustomize` that only it
+    runs installs the trap); rank 0 fails the switch naming rank 1 and the round, and says which
+    checkpoint to resume from, which is intact."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, signal, sys\n"
+        "def _trap(frame, event, arg):\n"
+        "    if event == 'call' and frame.f_code.co_name == 'run_program':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    sys.setprofile(_trap)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.run([sys.executable, "-m", "shardshift", "train", "--model", "test", "--global-batch", "4",
+                          "--steps", "4", "--nproc", "2", "--layout", "fsdp=2", "--switch", "3:tp=2", "--save",
+                          str(ckpt), "--save-every", "1", "--timeout", "60", "--log-dir", str(tmp_path / "logs")],
+                         capture_output=True, text=True, timeout=budget.left(), env=env)
+    assert run.returncode != 0
+    assert "worker rank 1 exited with code -9" in run.stderr, run.stderr[-3000:]
+    assert "rank 0: switch round 1 of" in run.stderr and "rank 1" in run.stderr, run.stderr[-3000:]
+    assert f"resume from {ckpt / 'step-00000002'} with --resume {ckpt}" in run.stderr, run.stderr[-3000:]
+    assert [p.name for p in checkpoints(ckpt)] == ["step-00000002", "step-00000001"]
+    check_intact(ckpt / "step-00000002")
