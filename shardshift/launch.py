@@ -177,10 +177,11 @@ def _signal(procs: Sequence[subprocess.Popen], sig: int) -> list[subprocess.Pope
 def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, spawn: Spawn = local_spawn,
            timeout_s: float | None = None, log_dir: str | None = None, drain_s: float = DRAIN_S) -> int:
     """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status.
-    Ranks 1.. write their output to `log_dir` (default: a fresh temporary directory, removed when
-    the job succeeds)."""
-    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="shardshift-logs-"))
-    logs.mkdir(parents=True, exist_ok=True)
+
+    The job's file store and, without `log_dir`, the ranks' logs live in one temporary directory.
+    It goes when the job ends; the logs of a job that did not succeed are kept (moved to a
+    directory of their own, named in the message). If the launcher itself is killed, its ranks
+    remove the directory as they stop (`shardshift.runtime`)."""
     env = dict(env or {})
     if spawn is local_spawn and "GLOO_SOCKET_IFNAME" not in os.environ:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -191,6 +192,8 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
     outcome = None
     try:
         with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp, contextlib.ExitStack() as files_open:
+            logs = Path(log_dir) if log_dir is not None else Path(tmp) / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
             files = {rank: files_open.enter_context(open(logs / f"rank-{rank}.log", "wb")) for rank in range(1, nproc)}
             procs: list[subprocess.Popen] = []
             try:
@@ -203,24 +206,23 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
                 pass
             finally:
                 stop(procs)
+            succeeded = outcome is not None and not signals and outcome.status == 0
+            if not succeeded and log_dir is None and nproc > 1:
+                logs = Path(shutil.move(logs, tempfile.mkdtemp(prefix="shardshift-logs-")))
         if signals:
             print(f"shardshift: stopped by signal {signals[0]}", file=sys.stderr, flush=True)
-            return 128 + signals[0]
-        if outcome.timed_out:
+        elif outcome.timed_out:
             print(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them",
                   file=sys.stderr, flush=True)
         elif outcome.failed is not None:
             print(_failure(outcome, logs), file=sys.stderr, flush=True)
-        return outcome.status
+        if not succeeded and nproc > 1:
+            others = "rank 1" if nproc == 2 else f"ranks 1..{nproc - 1}"
+            print(f"shardshift: the output of {others} is in {logs}", file=sys.stderr, flush=True)
+        return 128 + signals[0] if signals else outcome.status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        succeeded = outcome is not None and not signals and outcome.status == 0
-        if succeeded and log_dir is None:
-            shutil.rmtree(logs, ignore_errors=True)
-        elif not succeeded and nproc > 1:
-            others = "rank 1" if nproc == 2 else f"ranks 1..{nproc - 1}"
-            print(f"shardshift: the output of {others} is in {logs}", file=sys.stderr, flush=True)
 
 
 def _failure(outcome: Outcome, logs: Path) -> str:

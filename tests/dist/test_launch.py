@@ -31,14 +31,14 @@ def _gone(pids: list[int], seconds: float = 15.0) -> bool:
 
 
 @contextlib.contextmanager
-def _training(tmp_path, until_step: int | None):
+def _training(tmp_path, until_step: int | None, logs: bool = True):
     """A 2-rank job that would train for ever (its own text file marks its processes), once it
     reached `until_step` (None: as soon as its first rank exists): the launcher and the ranks'
     PIDs. The launcher is killed on the way out, whatever the test did."""
     text = tmp_path / "corpus.txt"
     text.write_text("All the world's a stage, and all the men and women merely players. " * 200)
     launcher = subprocess.Popen([*TRAIN, "--steps", "100000", "--data", str(text), "--timeout", "600",
-                                 "--log-dir", str(tmp_path / "logs")],
+                                 *(["--log-dir", str(tmp_path / "logs")] if logs else [])],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ranks = []
@@ -102,7 +102,9 @@ def test_sigterm_while_the_ranks_start_stops_them_all(tmp_path, budget):
 
 
 def test_a_launcher_killed_mid_training_leaves_no_rank(tmp_path, budget):
-    with _training(tmp_path, until_step=2) as (launcher, ranks):
+    """Nor its temporary directory (store and logs), which no handler of it could remove: the ranks
+    do as they stop (checked by the autouse fixture of tests/conftest.py)."""
+    with _training(tmp_path, until_step=2, logs=False) as (launcher, ranks):
         launcher.kill()  # SIGKILL: no handler runs; the ranks learn it from the kernel
         launcher.wait(timeout=30)
         assert _gone(ranks), [pid for pid in ranks if pid_alive(pid)]
