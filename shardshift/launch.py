@@ -17,9 +17,10 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
 - `launch(nproc, argv)` runs ``python -m shardshift <argv>`` as a job on this machine: rank 0's
   output is passed through, every other rank's goes to ``rank-N.log`` in a log directory (kept
   when the job fails, and named in its message). When a rank fails, the others are stopped and
-  its last lines are repeated, so the cause is the last thing printed. SIGINT and SIGTERM are
-  passed on to the ranks as SIGTERM; the launcher exits with 128 + the signal once they are
-  done. gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the
+  its last lines are repeated, so the cause is the last thing printed. SIGINT, SIGTERM and
+  SIGHUP are passed on to the ranks as SIGTERM; the launcher exits with 128 + the signal once
+  they are done, naming any rank that did not finish within the drain time or failed in it.
+  With ``log_dir``, each rank's log is appended to, under a line naming the job and its start. gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the
   environment names another: nothing of a local job listens on the machine's network.
 
 The signal handler only records the signal; the loops that start and watch the ranks act on it.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -42,7 +44,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from shardshift.console import say
+
 STORE_ENV = "SHARDSHIFT_STORE"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to the ranks as SIGTERM
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
 DRAIN_S = 120.0  # after a signal: time for the ranks to finish their step and save before SIGKILL
 TIMEOUT_EXIT = 124  # exit status of a job stopped for running past its time, as timeout(1) uses
@@ -57,16 +62,24 @@ Spawn = Callable[..., subprocess.Popen]
 def local_spawn(rank: int, argv: Sequence[str], env: Mapping[str, str], **popen_kwargs) -> subprocess.Popen:
     """Start a rank on this machine, as a session leader (see the module docstring)."""
     del rank  # every rank starts alike here; an emulated network places each in its namespace
-    return subprocess.Popen(list(argv), env=dict(env), start_new_session=True, preexec_fn=die_with_parent,
-                            **popen_kwargs)
+    return subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                            preexec_fn=dies_with_this_process(), **popen_kwargs)
 
 
-def die_with_parent() -> None:
-    """In a child between fork and exec: ask Linux to send it SIGTERM when its parent dies
-    (``PR_SET_PDEATHSIG``; a no-op elsewhere). Nothing is imported or allocated here: the
-    function was looked up when this module was imported."""
+def dies_with_this_process() -> Callable[[], None]:
+    """A `preexec_fn` for Popen: the child gets SIGTERM when this process dies (`die_with_parent`)."""
+    return functools.partial(die_with_parent, os.getpid())
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child of process `parent`, between fork and exec: ask Linux to send it SIGTERM when
+    its parent dies (``PR_SET_PDEATHSIG``; a no-op elsewhere), and exit at once if the parent
+    died before the request was made. Nothing is imported here: `_PRCTL` was looked up when this
+    module was imported."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)
 
 
 def rank_env(rank: int, nproc: int, store: str) -> dict[str, str]:
@@ -186,7 +199,7 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
     if spawn is local_spawn and "GLOO_SOCKET_IFNAME" not in os.environ:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     signals: list[int] = []  # received; see the module docstring for why nothing more is done here
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in previous:
         signal.signal(sig, lambda signum, _frame: signals.append(signum))
     outcome = None
@@ -194,7 +207,12 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
         with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp, contextlib.ExitStack() as files_open:
             logs = Path(log_dir) if log_dir is not None else Path(tmp) / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            files = {rank: files_open.enter_context(open(logs / f"rank-{rank}.log", "wb")) for rank in range(1, nproc)}
+            files = {rank: files_open.enter_context(open(logs / f"rank-{rank}.log", "ab")) for rank in range(1, nproc)}
+            if log_dir is not None:
+                header = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} shardshift {' '.join(argv)}: rank {{}} ===\n"
+                for rank, file in files.items():
+                    file.write(header.format(rank).encode())
+                    file.flush()
             procs: list[subprocess.Popen] = []
             try:
                 procs += start_ranks(nproc, [sys.executable, "-m", "shardshift", *argv], os.path.join(tmp, "store"),
@@ -210,19 +228,34 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
             if not succeeded and log_dir is None and nproc > 1:
                 logs = Path(shutil.move(logs, tempfile.mkdtemp(prefix="shardshift-logs-")))
         if signals:
-            print(f"shardshift: stopped by signal {signals[0]}", file=sys.stderr, flush=True)
+            say(_stopped(signals[0], outcome, drain_s), "stderr")
         elif outcome.timed_out:
-            print(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them",
-                  file=sys.stderr, flush=True)
+            say(f"shardshift: ranks {outcome.running} still running after {timeout_s:.0f} s; stopped them", "stderr")
         elif outcome.failed is not None:
-            print(_failure(outcome, logs), file=sys.stderr, flush=True)
+            say(_failure(outcome, logs), "stderr")
         if not succeeded and nproc > 1:
             others = "rank 1" if nproc == 2 else f"ranks 1..{nproc - 1}"
-            print(f"shardshift: the output of {others} is in {logs}", file=sys.stderr, flush=True)
+            say(f"shardshift: the output of {others} is in {logs}", "stderr")
         return 128 + signals[0] if signals else outcome.status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stopped(signum: int, outcome: Outcome | None, drain_s: float) -> str:
+    """The launcher's last line after a signal: who did not stop cleanly, if any rank did not."""
+    message = f"shardshift: stopped by signal {signum}"
+    if outcome is None:
+        return message + " while starting the ranks"
+    clean = (0, 128 + signal.SIGTERM, -signal.SIGTERM)  # done, or stopped by the SIGTERM passed on
+    killed = outcome.running
+    failed = [rank for rank, code in enumerate(outcome.codes) if code is not None and code not in clean]
+    if killed:
+        message += (f"; ranks {killed} had not finished within {drain_s:.0f} s, and were killed: a checkpoint "
+                    "they were writing is unfinished, and resuming takes an older one")
+    if failed:
+        message += f"; ranks {failed} exited with {[outcome.codes[rank] for rank in failed]} while stopping"
+    return message
 
 
 def _failure(outcome: Outcome, logs: Path) -> str:

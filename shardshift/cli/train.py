@@ -36,13 +36,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p.add_argument("--save", default=None, help="checkpoint directory (DCP)")
+    p.add_argument("--save", default=None,
+                   help="checkpoint directory (DCP) of this run: one holding checkpoints is refused unless the run "
+                        "resumes from it")
     p.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=0,
-                   help="keep the newest K checkpoints in --save, removing older ones once a newer is complete (0: all)")
+                   help="keep the newest K checkpoints in --save, removing this run's older ones once a newer is "
+                        "complete (0: all)")
     p.add_argument("--resume", default=None,
                    help="resume from the newest complete checkpoint in DIR (or that checkpoint), under any layout; "
-                        "'auto': from --save's when it has one, else start fresh")
+                        "'auto': from --save's when it has any, else start fresh")
     p.add_argument("--metrics", default=None, help="JSONL file: one object per step")
     p.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
     p.add_argument("--switch", action="append", default=None, metavar="STEP:LAYOUT",
@@ -52,7 +55,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
     p.add_argument("--log-dir", default=None,
-                   help="where ranks 1.. write their output (rank-N.log); default: a temporary directory, "
+                   help="where ranks 1.. append their output (rank-N.log); default: a temporary directory, "
                         "removed when the run succeeds")
 
 
@@ -142,7 +145,7 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
     nothing runs before them)."""
     from pathlib import Path
 
-    from shardshift.train.catalog import RunIdentity, choose
+    from shardshift.train.catalog import RunIdentity, check_save_dir, choose
     from shardshift.train.data import BatchStream, digest, load_tokens
 
     for flag, value in (("--save", cfg.save), ("--log-dir", log_dir)):
@@ -158,6 +161,8 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
         BatchStream(tokens, cfg.model.seq_len, cfg.global_batch, cfg.seed)
     except ValueError as err:
         raise ValueError(f"--data {cfg.data or '(the shipped corpus)'}: {err}") from None
+    if cfg.save:
+        check_save_dir(cfg.save, cfg.resume_from)
     if cfg.resume:
         choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardshift.launch import die_with_parent, start_ranks, stop
+from shardshift.launch import dies_with_this_process, start_ranks, stop
 from shardshift.netemu.processes import (
     COMMAND_TIMEOUT_S,
     KILL_GRACE_S,
@@ -214,12 +214,12 @@ class EmulatedNetwork:
               **popen_kwargs) -> subprocess.Popen:
         """Start argv in rank's namespace with `rank_env(rank)` (then `env`) over os.environ.
         The process leads a new session, so teardown kills it with its children, and it gets
-        SIGTERM if this process dies (`shardshift.launch.die_with_parent`)."""
+        SIGTERM if this process dies (`shardshift.launch.dies_with_this_process`)."""
         if self._state != "started":
             raise RuntimeError(f"network {self.name} is {self._state}; spawn inside `with`")
         full_env = {**os.environ, **self.rank_env(rank), **(env or {})}
         proc = subprocess.Popen(self.command(rank, argv), env=full_env, start_new_session=True,
-                                preexec_fn=die_with_parent, **popen_kwargs)
+                                preexec_fn=dies_with_this_process(), **popen_kwargs)
         self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
 

@@ -10,6 +10,10 @@ hand, a checkpoint of another run in the same directory. The manifest names the 
 sizes and CRC-32s, and the run's identity (`RunIdentity`): what must not change for training to
 go on as if it had never stopped. `choose` takes the newest checkpoint that is intact, says why it
 passed over newer ones, and refuses one of another run naming the first field that differs.
+
+A save directory belongs to one run: `check_save_dir` refuses to save into a directory holding
+checkpoints unless the run resumes from it, and `prunable` (``--keep-checkpoints``) only ever
+names checkpoints of the same run older than the one just saved, never one it cannot identify.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ MANIFEST = "shardshift.json"
 DCP_METADATA = ".metadata"
 FORMAT = "training-state/1"  # the DCP files hold `TrainingState.tensors()` by key
 PARTIAL_PREFIX = ".partial-"
+REPLACED_PREFIX = PARTIAL_PREFIX + "replaced-"  # a complete checkpoint, set aside while its step is saved again
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _CRC_CHUNK = 16 << 20
 
@@ -94,9 +99,11 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format", "no format") if isinstance(data, dict) else "not a JSON object"
             raise ValueError(f"its {MANIFEST} is of format {found!r}, not {FORMAT} (written by another "
-                             "version of ShardShift, or not by ShardShift)")
+                             "version of ShardShift, or not by ShardShift: resume with that version, or start "
+                             "afresh with --save in a new directory)")
         try:
-            return cls(FORMAT, RunIdentity(**data["run"]), str(data["layout"]), int(data["step"]), dict(data["files"]))
+            files = {str(name): [int(size), int(crc)] for name, (size, crc) in dict(data["files"]).items()}
+            return cls(FORMAT, RunIdentity(**data["run"]), str(data["layout"]), int(data["step"]), files)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"its {MANIFEST} lacks or garbles {err}") from None
 
@@ -111,10 +118,19 @@ class Manifest:
         tmp.replace(path / MANIFEST)
 
 
-def file_table(path: Path) -> dict[str, list[int]]:
-    """[bytes, crc32] of every file of checkpoint `path` (but the manifest)."""
-    return {f.name: [f.stat().st_size, crc32(f)] for f in sorted(path.iterdir())
-            if f.is_file() and not f.name.startswith(MANIFEST)}
+def file_table(path: Path, rank: int = 0, world: int = 1) -> dict[str, list[int]]:
+    """[bytes, crc32] of the files of checkpoint `path` (but the manifest) that are share `rank` of
+    `world`: the files go, largest first, each to the share with the fewest bytes so far, so the
+    `world` shares together are every file, and each rank reads about an equal part."""
+    files = [(f.stat().st_size, f.name) for f in path.iterdir() if f.is_file() and not f.name.startswith(MANIFEST)]
+    loads = [0] * world
+    mine = {}
+    for size, name in sorted(files, key=lambda item: (-item[0], item[1])):
+        share = loads.index(min(loads))
+        loads[share] += size
+        if share == rank:
+            mine[name] = [size, crc32(path / name)]
+    return dict(sorted(mine.items()))
 
 
 def crc32(file: Path) -> int:
@@ -163,11 +179,58 @@ def checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
+def step_of(path: Path) -> int:
+    """The step of checkpoint directory `path` (``step-*``, or one of its ``.partial-*`` names)."""
+    return int(path.name.rsplit("-", 1)[1])
+
+
+def _set_aside(root: Path) -> list[Path]:
+    """Complete checkpoints a save of the same step set aside and a crash left there: the
+    ``step-*`` they replace is not there (`checkpoint._publish` renames the new one in next)."""
+    found = [p for p in root.glob(REPLACED_PREFIX + "step-*") if p.is_dir() and _STEP_DIR.match(p.name[len(REPLACED_PREFIX):])]
+    return [p for p in found if not (root / p.name[len(REPLACED_PREFIX):]).exists()]
+
+
+def check_save_dir(save: str, resume_from: str | None) -> None:
+    """ValueError if a run that resumes from `resume_from` (None: starts afresh) must not save
+    into `save`: it holds checkpoints, and the run does not go on from them, so its saves would
+    replace them and ``--keep-checkpoints`` would remove them."""
+    root = Path(save)
+    found = checkpoints(root)
+    if not found:
+        return
+    if resume_from is not None:
+        source = Path(resume_from).resolve()
+        if root.resolve() in (source, source.parent):
+            return
+    how = "a run that does not resume from it" if resume_from is None else f"a run resuming from {resume_from}"
+    raise ValueError(f"--save {save} holds checkpoints already (newest {found[0].name}), which {how} would "
+                     "replace: go on from them with --resume auto, or --save into a new directory")
+
+
+def prunable(root: Path, run: RunIdentity, step: int, keep: int) -> list[Path]:
+    """What ``--keep-checkpoints keep`` removes once step `step` is saved in `root`: checkpoints of
+    `run` older than `step`, beyond the `keep - 1` newest of them. Checkpoints of later steps (left
+    by a run resumed from an earlier one) and those whose manifest cannot be read or names another
+    run are never removed."""
+    older = [p for p in checkpoints(root) if step_of(p) < step]
+    ours = []
+    for path in older:
+        try:
+            if Manifest.read(path).run == run:
+                ours.append(path)
+        except ValueError:
+            continue
+    return ours[max(keep - 1, 0):]
+
+
 def choose(where: str, run: RunIdentity, missing_ok: bool = False) -> Choice:
     """The checkpoint `--resume where` takes for `run`: `where` itself if it is one, else the
     newest intact ``step-*`` in it. Unfinished saves and damaged checkpoints are passed over (the
     choice says why); the checkpoint taken must be of the same run, else ValueError naming the
-    field that differs. With `missing_ok` (``--resume auto``), no checkpoint is a choice of None."""
+    field that differs. With `missing_ok` (``--resume auto``), no checkpoint at all (unfinished
+    saves aside) is a choice of None; checkpoints none of which is intact are still a ValueError:
+    starting afresh would go on to replace them."""
     root = Path(where)
     flag = f"--resume {where}"
     if root.exists() and not root.is_dir():
@@ -176,7 +239,10 @@ def choose(where: str, run: RunIdentity, missing_ok: bool = False) -> Choice:
         if missing_ok:
             return Choice(None, None, ())
         raise ValueError(f"{flag}: no such directory; give a --save directory of an earlier run")
-    candidates = [root] if (root / MANIFEST).exists() or (root / DCP_METADATA).exists() else checkpoints(root)
+    if (root / MANIFEST).exists() or (root / DCP_METADATA).exists():
+        candidates = [root]
+    else:
+        candidates = sorted(checkpoints(root) + _set_aside(root), key=step_of, reverse=True)
     skipped = [(p, "an unfinished save (the job stopped while writing it)")
                for p in sorted(root.glob(PARTIAL_PREFIX + "step-*"))]
     for path in candidates:
@@ -190,7 +256,8 @@ def choose(where: str, run: RunIdentity, missing_ok: bool = False) -> Choice:
             raise ValueError(f"{flag}: {path} was saved by another run: {other}. Resume with the same "
                              "settings, or --save into a new directory")
         return Choice(path, manifest, tuple(skipped))
-    if missing_ok:
+    if missing_ok and not candidates:
         return Choice(None, None, tuple(skipped))
     why = "".join(f"\n  {p}: {reason}" for p, reason in skipped)
-    raise ValueError(f"{flag}: no complete checkpoint in it{':' if why else ''}{why}")
+    hint = "\n  repair them, or move them away to start afresh" if missing_ok and candidates else ""
+    raise ValueError(f"{flag}: no complete checkpoint in it{':' if why else ''}{why}{hint}")

@@ -15,6 +15,7 @@ import functools
 import gzip
 import hashlib
 import importlib.resources
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -49,14 +50,20 @@ def load_tokens(path: str | None) -> np.ndarray:
         raw = importlib.resources.files("shardshift.data").joinpath(DEFAULT_CORPUS).read_bytes()
         return np.frombuffer(gzip.decompress(raw), dtype=np.uint8)
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"--data {path}: a directory; give the path of a text file")
     if not file.is_file():
         raise ValueError(f"--data {path}: no such file; give the path of a text file")
-    raw = file.read_bytes()
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise ValueError(f"--data {path}: cannot be read ({err.strerror}); check its permissions") from None
     if path.endswith(".gz"):
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as err:
-            raise ValueError(f"--data {path}: its name ends in .gz but it is not gzip ({err})") from None
+        except (OSError, EOFError, zlib.error) as err:
+            raise ValueError(f"--data {path}: its name ends in .gz but it does not decompress as gzip ({err}); "
+                             "give a whole gzip file, or plain text under another name") from None
     kind = next((name for magic, name in _COMPRESSED.items() if raw.startswith(magic)), None)
     if kind is not None:
         raise ValueError(f"--data {path}: the file is {kind}-compressed; decompress it"

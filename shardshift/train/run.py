@@ -3,14 +3,16 @@
 How a run ends, and its exit status (the same on every rank):
 
 - 0: it reached `stop_at` (a checkpoint saved there when `--save` is given);
-- 128 + the signal: SIGTERM (preemption, the launcher passing on Ctrl-C) or SIGINT arrived. The
-  handler only records it; after each step the ranks agree (one tiny all-reduce) whether any got
+- 128 + the signal: SIGTERM (preemption, the launcher passing on Ctrl-C), SIGINT or SIGHUP (the
+  terminal closed) arrived. The handler only records it; after each step the ranks agree (one tiny all-reduce) whether any got
   one, finish that step, save a checkpoint when `--save` is given, and exit together;
 - 3: a step diverged (a non-finite loss or gradient norm, `trainer.Diverged`): the step is not
   applied and nothing of it is saved;
 - 1: a switch failed while moving the state (a peer died, a transfer timed out): the state is
   lost, the message names the rank and round and the checkpoint to resume from;
 - 2: bad input (one line, no traceback).
+
+Rank 0 prints best effort: with its terminal or reader gone, a run still saves and stops as above.
 
 With `--metrics`, rank 0 appends one JSON object per step, one per switch, and one ``resume``
 event when the run starts from a checkpoint (so that steps a crash made it redo are never
@@ -21,16 +23,16 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardshift.comm import TransferError
+from shardshift.console import say
 from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
-from shardshift.train.catalog import RunIdentity, checkpoints, choose
+from shardshift.train.catalog import REPLACED_PREFIX, RunIdentity, check_save_dir, checkpoints, choose
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import digest, load_tokens
 from shardshift.train.state import LostState
@@ -48,12 +50,15 @@ class Stopped(Exception):
         self.signum = signum
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class _Signals:
-    """SIGTERM and SIGINT, recorded while a run trains (the handler does nothing else)."""
+    """`STOP_SIGNALS`, recorded while a run trains (the handler does nothing else)."""
 
     def __init__(self) -> None:
         self.received = 0
-        self.previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         for sig in self.previous:
             signal.signal(sig, self._record)
 
@@ -89,11 +94,8 @@ class _Metrics:
 
 def _report(cfg: TrainConfig, result: StepResult, metrics: _Metrics) -> None:
     if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.stop_at):
-        print(
-            f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
-            f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s",
-            flush=True,
-        )
+        say(f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
+             f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s")
     metrics.write({
         "step": result.step,
         "loss": result.loss,
@@ -106,13 +108,12 @@ def _report(cfg: TrainConfig, result: StepResult, metrics: _Metrics) -> None:
 
 
 def _report_switch(report, metrics: _Metrics) -> None:
-    print(
+    say(
         f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s "
         f"(prepared in {report.prepare_seconds:.2f} s{' ahead' if report.prepared_ahead else ''}): "
         f"moved {format_size(report.bytes_moved)} (lower bound {format_size(report.bytes_lower_bound)}), kept "
         f"{format_size(report.bytes_kept)} in place, {report.rounds} round(s), peak {format_size(report.peak_mem_bytes)} "
-        f"per rank, {format_size(report.extra_mem_bytes)} over max(old, new) (budget {format_size(report.budget)})",
-        flush=True,
+        f"per rank, {format_size(report.extra_mem_bytes)} over max(old, new) (budget {format_size(report.budget)})"
     )
     metrics.write(report.event())
 
@@ -123,17 +124,15 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
 
 
 def _resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
-    """The checkpoint to resume from (None: start fresh), as rank 0 chose it: every rank gets the
-    same answer, or the same ValueError."""
+    """The checkpoint to resume from (None: start fresh), as rank 0 chose it, after checking that
+    the run may save into `--save`: every rank gets the same answer, or the same ValueError."""
     answer: list = [None]
     if rank == 0:
         try:
-            choice = choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
-            if choice.skipped or choice.path is not None:
-                print(choice.describe(), flush=True)
-            elif cfg.resume == "auto":
-                print(f"no checkpoint in {cfg.save} yet: starting from step 0", flush=True)
-            answer = [str(choice.path) if choice.path is not None else None]
+            if cfg.save:
+                check_save_dir(cfg.save, cfg.resume_from)
+            if cfg.resume:
+                answer = [_choose(cfg, tokens)]
         except ValueError as err:
             answer = [err]
     dist.broadcast_object_list(answer, src=0)
@@ -142,10 +141,25 @@ def _resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
     return None if answer[0] is None else Path(answer[0])
 
 
+def _choose(cfg: TrainConfig, tokens) -> str | None:
+    """Rank 0's part of `_resume_point`: the choice, said; a checkpoint a crash left set aside
+    while its step was saved again is renamed back first."""
+    choice = choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
+    if choice.skipped or choice.path is not None:
+        say(choice.describe())
+    elif cfg.resume == "auto":
+        say(f"no checkpoint in {cfg.save} yet: starting from step 0")
+    if choice.path is not None and choice.path.name.startswith(REPLACED_PREFIX):
+        restored = choice.path.with_name(choice.path.name[len(REPLACED_PREFIX):])
+        choice.path.rename(restored)
+        return str(restored)
+    return None if choice.path is None else str(choice.path)
+
+
 def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     cfg.layout.check_world(proc.world_size)
     tokens = load_tokens(cfg.data)
-    resume = _resume_point(cfg, tokens, proc.rank) if cfg.resume else None
+    resume = _resume_point(cfg, tokens, proc.rank) if (cfg.resume or cfg.save) else None
     trainer = Trainer(cfg, proc.rank, proc.device_type, tokens=tokens, timeout_s=timeout_s)
     metrics = _Metrics(cfg.metrics, proc.rank)
     if resume is not None:
@@ -153,10 +167,9 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
         metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),
                        "layout": str(cfg.layout)})
     if proc.rank == 0:
-        print(
+        say(
             f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
-            f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}",
-            flush=True,
+            f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}"
         )
     signals = _Signals()
     try:
@@ -164,8 +177,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     except Stopped as stop:
         if proc.rank == 0:
             saved = f"; resume with --resume {cfg.save}" if cfg.save else " (no --save: nothing was saved)"
-            print(f"shardshift: stopped by signal {stop.signum} after step {trainer.progress.step}{saved}",
-                  file=sys.stderr, flush=True)
+            say(f"shardshift: stopped by signal {stop.signum} after step {trainer.progress.step}{saved}", "stderr")
         raise
     except (TransferError, LostState) as err:
         raise SwitchFailed(err, cfg.save) from err
@@ -195,7 +207,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: _Metrics, sign
         if cfg.save and (stop or (cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
             path = checkpoint.save(trainer, cfg.save, keep=cfg.keep_checkpoints)
             if rank == 0:
-                print(f"saved {path}", flush=True)
+                say(f"saved {path}")
         if stop:
             raise Stopped(stop)
 
@@ -205,8 +217,8 @@ class SwitchFailed(RuntimeError):
 
     def __init__(self, err: Exception, save: str | None) -> None:
         newest = checkpoints(Path(save)) if save else []
-        where = (f"resume from {newest[0]} with --resume {save}" if newest
-                 else "no checkpoint was saved: start again (give --save to have one)")
+        where = (f"resume with --resume {save}, which takes its newest intact checkpoint (the newest there is "
+                 f"{newest[0].name})" if newest else "no checkpoint was saved: start again (give --save to have one)")
         super().__init__(f"{err}; the training state is lost: {where}")
 
 
@@ -216,13 +228,13 @@ def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
     try:
         return run_training(cfg, timeout_s)
     except ValueError as err:
-        print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
+        say(f"shardshift: error: {err}", "stderr")
         return 2
     except Stopped as stop:
         return 128 + stop.signum
     except Diverged as err:
-        print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
+        say(f"shardshift: error: {err}", "stderr")
         return DIVERGED_EXIT
     except SwitchFailed as err:
-        print(f"shardshift: error: {err}", file=sys.stderr, flush=True)
+        say(f"shardshift: error: {err}", "stderr")
         return 1

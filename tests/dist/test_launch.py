@@ -126,3 +126,61 @@ def test_a_local_job_listens_on_loopback_only(tmp_path, budget):
         mine = [line.split()[3] for line in sockets if any(f"pid={pid}," in line for pid in ranks)]
         assert mine, sockets  # gloo listens for its peers
         assert all(addr.startswith(("127.", "[::1]")) for addr in mine), mine
+
+
+def _ready(script: str) -> subprocess.Popen:
+    """A process running `script`, once it printed that it is ready (its signal handlers set)."""
+    proc = subprocess.Popen([sys.executable, "-c", script + "\nprint('ready', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_ranks_that_do_not_stop_cleanly_after_a_signal_are_named():
+    """After a signal the launcher gives the ranks `drain_s`: one that is still running then is
+    killed (its checkpoint unfinished) and one that fails while stopping is named with its code."""
+    from shardshift.launch import _stopped, supervise
+
+    procs = [_ready("import time"),  # SIGTERM ends it: a clean stop
+             _ready("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"),  # still saving
+             _ready("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))")]
+    try:
+        outcome = supervise(procs, cancelled=lambda: True, drain_s=1.0, grace_s=1.0)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert outcome.cancelled and outcome.codes == (-signal.SIGTERM, None, 7)
+    message = _stopped(signal.SIGHUP, outcome, 1.0)
+    assert message.startswith("shardshift: stopped by signal 1; ranks [1] had not finished within 1 s, and were "
+                              "killed: a checkpoint they were writing is unfinished"), message
+    assert message.endswith("ranks [2] exited with [7] while stopping"), message
+
+
+def test_a_log_dir_keeps_the_logs_of_earlier_jobs(tmp_path):
+    from shardshift.launch import launch
+
+    for _ in range(2):
+        assert launch(2, ["--help"], log_dir=str(tmp_path / "logs")) == 0
+    log = (tmp_path / "logs" / "rank-1.log").read_text()
+    assert log.count("shardshift --help: rank 1 ===") == 2 and log.count("usage: shardshift") == 2, log
+
+
+def test_a_rank_whose_launcher_died_before_it_asked_to_die_with_it_exits():
+    """`die_with_parent` asks Linux for SIGTERM when the parent dies; if the parent died before
+    the ask (between fork and prctl), the child is already an orphan and exits at once. The
+    orphan is made by naming another process as the parent the child must have."""
+    import functools
+
+    from shardshift.launch import die_with_parent, dies_with_this_process
+
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              preexec_fn=functools.partial(die_with_parent, os.getpid() + 1_000_000))
+    bound = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=dies_with_this_process())
+    try:
+        assert orphan.wait(timeout=10) == 128 + signal.SIGTERM
+        assert bound.poll() is None  # its parent is alive: it runs
+    finally:
+        for proc in (orphan, bound):
+            proc.kill()
+            proc.wait()

@@ -82,15 +82,16 @@ def _kill_during_a_save(tmp_path, budget, victim: str) -> None:
 
 
 def test_a_worker_killed_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path, reference, budget):
-    ckpt = tmp_path / "ckpt"
-    for _ in range(5):  # until the kill lands while a save is being written (its files stay unfinished)
-        _kill_during_a_save(tmp_path, budget, "worker")
-        if list(ckpt.glob(PARTIAL_PREFIX + "step-*")):
+    for attempt in range(5):  # until the kill lands while a save is being written (its files stay unfinished)
+        job_dir = tmp_path / f"try-{attempt}"
+        job_dir.mkdir()
+        _kill_during_a_save(job_dir, budget, "worker")
+        if list((job_dir / "ckpt").glob(PARTIAL_PREFIX + "step-*")):
             break
     else:
         pytest.skip("the kill never landed during a save in 5 tries")  # timing, not a failure of the code
-    newest = checkpoints(ckpt)[0]
-    records = _resume_and_compare(tmp_path, reference, budget, "--nproc", "2", "--layout", "tp=2")
+    newest = checkpoints(job_dir / "ckpt")[0]
+    records = _resume_and_compare(job_dir, reference, budget, "--nproc", "2", "--layout", "tp=2")
     assert [r["checkpoint"] for r in records if r.get("event") == "resume"][-1] == str(newest)
 
 
@@ -124,6 +125,28 @@ def test_sigterm_saves_and_the_run_continues_exactly(tmp_path, reference, budget
     assert f"resume with --resume {ckpt}" in err, err
     _resume_and_compare(tmp_path, reference, budget, "--nproc", "2", "--layout", "fsdp=2", "--keep-checkpoints", "1")
     assert [p.name for p in checkpoints(ckpt)] == [f"step-{STEPS:08d}"]  # only the newest is kept
+
+
+def test_a_closed_terminal_still_saves(tmp_path, budget):
+    """The terminal goes: the launcher gets SIGHUP, and rank 0's output (the launcher's stdout)
+    has no reader any more. The ranks still finish their step, save, and exit 128 + SIGHUP."""
+    ckpt = tmp_path / "ckpt"
+    job = _train(tmp_path, "--nproc", "2", "--layout", "fsdp=2", "--save", str(ckpt), "--save-every", "100")
+    try:
+        for line in job.stdout:
+            if line.startswith("step     3"):
+                break
+        job.stdout.close()  # rank 0's next line meets a broken pipe
+        job.send_signal(signal.SIGHUP)
+        assert job.wait(timeout=budget.left()) == 128 + signal.SIGHUP, job.stderr.read()[-3000:]
+        err = job.stderr.read()
+    finally:
+        job.kill()
+    assert _all_gone(str(ckpt))
+    saved = checkpoints(ckpt)
+    assert len(saved) == 1 and 3 <= int(saved[0].name.split("-")[1]) < STEPS, (saved, err[-3000:])
+    check_intact(saved[0])
+    assert "shardshift: stopped by signal 1\n" in err, err[-3000:]  # every rank stopped cleanly
 
 
 def test_a_diverging_run_stops_and_saves_nothing_of_it(tmp_path, budget):
@@ -160,6 +183,7 @@ def test_a_switch_whose_peer_dies_stops_the_job_and_names_the_checkpoint(tmp_pat
     assert run.returncode != 0
     assert "worker rank 1 exited with code -9" in run.stderr, run.stderr[-3000:]
     assert "rank 0: switch round 1 of" in run.stderr and "rank 1" in run.stderr, run.stderr[-3000:]
-    assert f"resume from {ckpt / 'step-00000002'} with --resume {ckpt}" in run.stderr, run.stderr[-3000:]
+    assert f"resume with --resume {ckpt}, which takes its newest intact checkpoint (the newest there is " \
+           "step-00000002)" in run.stderr, run.stderr[-3000:]
     assert [p.name for p in checkpoints(ckpt)] == ["step-00000002", "step-00000001"]
     check_intact(ckpt / "step-00000002")

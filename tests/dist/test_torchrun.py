@@ -49,3 +49,12 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     assert "was saved by another run: --steps: steps is 3 in the checkpoint, 6 in this run" in other.stderr
     ours = [line for line in other.stderr.splitlines() if line.strip().startswith("File ") and "/shardshift/" in line]
     assert ours == [], other.stderr[-3000:]  # one line from us; the traceback after it is torchrun's own
+
+    # So does saving into a directory of checkpoints the run does not resume from.
+    clash = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", *common, "--save", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=budget.left(),
+    )
+    assert clash.returncode != 0
+    assert f"--save {tmp_path / 'ckpt'} holds checkpoints already (newest step-00000003)" in clash.stderr, \
+        clash.stderr[-3000:]

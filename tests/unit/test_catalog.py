@@ -9,7 +9,17 @@ import dataclasses
 import pytest
 
 from shardshift.layout import Layout
-from shardshift.train.catalog import FORMAT, PARTIAL_PREFIX, Manifest, RunIdentity, choose, file_table
+from shardshift.train.catalog import (
+    FORMAT,
+    PARTIAL_PREFIX,
+    REPLACED_PREFIX,
+    Manifest,
+    RunIdentity,
+    check_save_dir,
+    choose,
+    file_table,
+    prunable,
+)
 from shardshift.train.config import TrainConfig, model_config
 
 CFG = TrainConfig(layout=Layout(fsdp=2), model=model_config("test"), model_name="test", steps=10, global_batch=4)
@@ -40,6 +50,7 @@ def test_the_newest_intact_checkpoint_is_taken(tmp_path):
     (lambda p: (p / "shardshift.json").unlink(), "it has no shardshift.json"),
     (lambda p: (p / "shardshift.json").write_text("{not json"), "shardshift.json cannot be read"),
     (lambda p: (p / "shardshift.json").write_text('{"format": "training-state/1"}'), "lacks or garbles"),
+    (lambda p: _edit_manifest(p, files={".metadata": 12}), "lacks or garbles"),
 ])
 def test_a_damaged_checkpoint_is_passed_over_with_the_reason(tmp_path, damage, reason):
     _checkpoint(tmp_path, 2)
@@ -48,6 +59,13 @@ def test_a_damaged_checkpoint_is_passed_over_with_the_reason(tmp_path, damage, r
     assert choice.path == tmp_path / "step-00000002"
     assert [(p.name, r) for p, r in choice.skipped if reason in r] == [("step-00000004", choice.skipped[0][1])]
     assert "skipped" in choice.describe() and "resuming from" in choice.describe()
+
+
+def _edit_manifest(path, **fields) -> None:
+    import json
+
+    data = json.loads((path / "shardshift.json").read_text())
+    (path / "shardshift.json").write_text(json.dumps({**data, **fields}))
 
 
 def test_an_unfinished_save_is_named_and_passed_over(tmp_path):
@@ -100,4 +118,69 @@ def test_a_failed_switch_says_which_checkpoint_to_resume_from(tmp_path):
     _checkpoint(tmp_path, 4)
     message = str(SwitchFailed(lost, str(tmp_path)))
     assert message.startswith("rank 0: switch round 2 of 5") and "from rank 3" in message
-    assert f"resume from {tmp_path / 'step-00000004'} with --resume {tmp_path}" in message
+    assert f"resume with --resume {tmp_path}, which takes its newest intact checkpoint" in message
+    assert "(the newest there is step-00000004)" in message
+
+
+def test_resume_auto_refuses_checkpoints_none_of_which_is_intact(tmp_path):
+    """Starting afresh would go on to replace them: they are named instead, with what to do."""
+    (_checkpoint(tmp_path, 4) / "__0_0.distcp").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match="no complete checkpoint in it") as err:
+        choose(str(tmp_path), RUN, missing_ok=True)
+    assert "step-00000004: its file __0_0.distcp has 9 bytes" in str(err.value)
+    assert "move them away to start afresh" in str(err.value)
+
+
+def test_a_checkpoint_set_aside_while_its_step_was_saved_again_is_taken(tmp_path):
+    """A crash between the two renames of `checkpoint._publish`: the old checkpoint of the step is
+    set aside and the new one not yet renamed in. The old one is complete and is taken."""
+    _checkpoint(tmp_path, 2)
+    _checkpoint(tmp_path, 4).rename(tmp_path / (REPLACED_PREFIX + "step-00000004"))
+    (tmp_path / (PARTIAL_PREFIX + "step-00000004")).mkdir()
+    choice = choose(str(tmp_path), RUN)
+    assert choice.path == tmp_path / (REPLACED_PREFIX + "step-00000004") and choice.manifest.step == 4
+    _checkpoint(tmp_path, 4)  # once the step is there again, what was set aside is not a candidate
+    assert choose(str(tmp_path), RUN).path == tmp_path / "step-00000004"
+
+
+def test_a_run_saves_only_into_a_directory_it_resumes_from(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    check_save_dir(str(ckpt), None)  # absent
+    ckpt.mkdir()
+    (ckpt / (PARTIAL_PREFIX + "step-00000002")).mkdir()
+    check_save_dir(str(ckpt), None)  # an unfinished first save holds nothing to lose
+    _checkpoint(ckpt, 4)
+    for resume in (None, str(tmp_path / "elsewhere")):
+        with pytest.raises(ValueError, match=f"--save {ckpt} holds checkpoints already \\(newest step-00000004\\)"):
+            check_save_dir(str(ckpt), resume)
+    for resume in (str(ckpt), str(ckpt / "step-00000004"), str(tmp_path / "." / "ckpt" / "")):
+        check_save_dir(str(ckpt), resume)
+
+
+def test_pruning_removes_only_older_checkpoints_of_the_same_run(tmp_path):
+    """After resuming from step 4 of a directory that also holds a damaged step 8, another run's
+    step 3 and an unreadable step 1, saving step 5 with keep 2 removes step 2 only."""
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step)
+    (_checkpoint(tmp_path, 8) / "__0_0.distcp").unlink()
+    _checkpoint(tmp_path, 3, run=dataclasses.replace(RUN, seed=9))
+    (_checkpoint(tmp_path, 1) / "shardshift.json").write_text("{")
+    _checkpoint(tmp_path, 5)
+    assert [p.name for p in prunable(tmp_path, RUN, 5, keep=2)] == ["step-00000002"]
+    assert [p.name for p in prunable(tmp_path, RUN, 5, keep=1)] == ["step-00000004", "step-00000002"]
+    assert prunable(tmp_path, RUN, 5, keep=3) == []
+    assert [p.name for p in prunable(tmp_path, RUN, 9, keep=1)] == [f"step-0000000{s}" for s in (8, 6, 5, 4, 2)]
+
+
+def test_the_ranks_share_out_the_checksums_of_a_checkpoint(tmp_path):
+    """Each rank reads only its share of the files; the shares together are the whole table."""
+    sizes = {"__0_0.distcp": 900, "__1_0.distcp": 800, "__2_0.distcp": 500, "__3_0.distcp": 400, ".metadata": 50}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    (tmp_path / "shardshift.json").write_text("{}")  # never in the table
+    whole = file_table(tmp_path)
+    assert sorted(whole) == sorted(sizes) and all(whole[name][0] == size for name, size in sizes.items())
+    shares = [file_table(tmp_path, rank, 3) for rank in range(3)]
+    assert {name: entry for share in shares for name, entry in share.items()} == whole
+    assert sum(len(share) for share in shares) == len(whole)  # disjoint
+    assert sorted(sum(entry[0] for entry in share.values()) for share in shares) == [850, 900, 900]

@@ -145,11 +145,19 @@ def _files(tmp) -> dict[str, str]:
              "binary": ("model.bin", bytes(range(256)) * 64),
              "zipped": ("zipped.txt", gzip.compress(b"To be, or not to be. " * 1000)),
              "badgz": ("bad.gz", b"not gzip at all"), "nul": ("nul.txt", b"text\x00with a NUL" * 100),
-             "afile": ("afile", b"a file where a directory belongs"), "badyaml": ("bad.yaml", b"ranks: [0, 1\nlinks: [")}
+             "afile": ("afile", b"a file where a directory belongs"), "badyaml": ("bad.yaml", b"ranks: [0, 1\nlinks: ["),
+             "corruptgz": ("corrupt.gz", _corrupt(gzip.compress(b"To be, or not to be. " * 1000)))}
     for name, content in files.values():
         (tmp / name).write_bytes(content)
     (tmp / "dir").mkdir()
-    return {key: str(tmp / name) for key, (name, _) in files.items()} | {"dir": str(tmp / "dir")}
+    (tmp / "ckpts" / "step-00000002").mkdir(parents=True)  # a save directory another run wrote into
+    return {key: str(tmp / name) for key, (name, _) in files.items()} | {"dir": str(tmp / "dir"),
+                                                                          "ckpts": str(tmp / "ckpts")}
+
+
+def _corrupt(gz: bytes) -> bytes:
+    """A gzip file whose header is intact and whose compressed data is not."""
+    return gz[:10] + b"\xff" * 20 + gz[30:]
 
 
 BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error must say
@@ -157,8 +165,13 @@ BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error mu
     (["train", "--data", "{short}"], "--data {short}: the text has 27 bytes"),
     (["train", "--data", "{binary}"], "--data {binary}: not UTF-8 text"),
     (["train", "--data", "{zipped}"], "--data {zipped}: the file is gzip-compressed"),
-    (["train", "--data", "{badgz}"], "--data {badgz}: its name ends in .gz but it is not gzip"),
+    (["train", "--data", "{badgz}"], "--data {badgz}: its name ends in .gz but it does not decompress as gzip"),
     (["train", "--data", "{nul}"], "--data {nul}: it holds NUL bytes"),
+    (["train", "--data", "{corruptgz}"], "--data {corruptgz}: its name ends in .gz but it does not decompress as gzip"),
+    (["train", "--data", "{dir}"], "--data {dir}: a directory; give the path of a text file"),
+    (["train", "--save", "{ckpts}"], "--save {ckpts} holds checkpoints already (newest step-00000002), which a run "
+     "that does not resume from it would replace: go on from them with --resume auto, or --save into a new"),
+    (["train", "--save", "{ckpts}", "--resume", "{dir}"], "--save {ckpts} holds checkpoints already"),
     (["train", "--timeout", "0"], "--timeout 0.0 must be > 0"),
     (["train", "--global-batch", "0"], "--global-batch 0 must be >= 1"),
     (["train", "--log-every", "-1"], "--log-every -1 must be >= 0"),
