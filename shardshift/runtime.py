@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from shardshift.launch import STORE_ENV
 
@@ -99,6 +100,25 @@ def run_in_group(timeout_s: float, body: Callable[[Process], T], backend: str | 
     finally:
         dist.destroy_process_group()
         _clean_up_after(proc)
+
+
+def leave(code: int) -> NoReturn:
+    """End this rank's process with exit status `code` without the interpreter's teardown.
+
+    A rank calls this once its command has returned, after it left its process groups. Torch's
+    C++ threads (gloo's workers, and the work objects they hold with tensors that reference
+    Python objects) can outlive the group, and an interpreter tearing itself down under them
+    aborts the process now and then ("terminate called without an active exception", signal 6)
+    after a run that finished: the launcher would then fail a completed job. Nothing is left to do
+    by then: files (metrics, checkpoints) were closed by the code that wrote them, and the
+    standard streams are flushed here.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed terminal, or a stream closed by its owner
+            pass
+    os._exit(code)
 
 
 def _clean_up_after(proc: Process) -> None:

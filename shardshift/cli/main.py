@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     args.argv = argv  # for launchers that re-run the same command in worker processes
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    from shardshift.runtime import in_worker, leave
+
+    if in_worker():
+        leave(code)  # a rank ends without the interpreter's teardown (`leave` says why)
+    return code
 
 
 if __name__ == "__main__":

@@ -184,3 +184,21 @@ def test_a_rank_whose_launcher_died_before_it_asked_to_die_with_it_exits():
         for proc in (orphan, bound):
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_leaves_with_its_status_and_output_but_without_the_teardown(tmp_path):
+    """`shardshift` run as a rank ends through `runtime.leave`: its exit status and its buffered
+    output survive, the interpreter's teardown (where torch's threads can abort a finished rank)
+    does not run: an atexit handler that would write a file never does."""
+    marker = tmp_path / "teardown-ran"
+    code = (f"import atexit, pathlib, sys; atexit.register(pathlib.Path({str(marker)!r}).touch); "
+            "sys.stdout.write('no newline, still in the buffer'); "
+            "from shardshift.cli.main import main; main(['train', '--steps', '0'])")
+    rank = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    assert rank.returncode == 2 and "--steps" in rank.stderr, rank.stderr
+    assert rank.stdout == "no newline, still in the buffer"
+    assert not marker.exists()
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert alone.returncode == 0 and marker.exists(), alone.stderr  # not a rank: an ordinary exit
