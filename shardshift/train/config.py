@@ -10,6 +10,7 @@ import torch
 
 from shardshift.layout import Layout
 from shardshift.reshard.schedule import DEFAULT_BUDGET, MIN_BUDGET
+from shardshift.train.data import data_slice
 from shardshift.train.model import PRESETS, ModelConfig
 from shardshift.train.space import check_layout
 
@@ -133,22 +134,22 @@ class TrainConfig:
         return dataclasses.replace(self, layout=layout, micro_batches=micro, switches=())
 
     def check_batch(self, layout: Layout) -> None:
-        """The batch splits evenly among data ranks and, under pp, into micro-batches."""
+        """Every data rank gets a sequence of the batch (split as evenly as can be: `data_slice`)
+        and, under pp, a local batch that splits into micro-batches."""
         d = layout.data_parallel
-        if self.global_batch % d:
-            nearest = [b for b in (d * (self.global_batch // d), d * (self.global_batch // d + 1)) if b]
+        if self.global_batch < d:
             raise ValueError(
-                f"--global-batch {self.global_batch} does not split among dp*fsdp={d} data ranks; "
-                f"choose a multiple of {d}, e.g. {' or '.join(map(str, nearest))}"
+                f"--global-batch {self.global_batch} leaves some of the dp*fsdp={d} data ranks without "
+                f"a sequence; use a global batch of at least {d}"
             )
-        local = self.global_batch // d
         if layout.pp > 1:
-            if local % self.micro_batches:
+            counts = sorted({data_slice(self.global_batch, d, r)[1] for r in range(d)})
+            if any(count % self.micro_batches for count in counts):
                 raise ValueError(
-                    f"the local batch of {local} sequences (global batch {self.global_batch} / {d} "
-                    f"data ranks) does not split into --micro-batches {self.micro_batches}; choose "
-                    f"micro-batches dividing {local}, or a global batch that is a multiple of "
-                    f"{d * self.micro_batches}"
+                    f"the local batches of {' and '.join(map(str, counts))} sequences (global batch "
+                    f"{self.global_batch} among {d} data rank{'s' if d > 1 else ''}) do not split into --micro-batches "
+                    f"{self.micro_batches}; choose micro-batches dividing them, or a global batch that "
+                    f"is a multiple of {d * self.micro_batches}"
                 )
             if self.micro_batches < layout.pp:
                 raise ValueError(

@@ -3,9 +3,13 @@
 The text is cut into non-overlapping windows of ``seq_len + 1`` bytes. Epoch ``e`` visits the windows
 in the order of a permutation drawn from ``(seed, e)``; the stream is the concatenation of epochs. The
 global batch at position ``p`` (samples consumed so far) is stream items ``p .. p + B - 1``, and data
-rank ``r`` of ``D`` reads the contiguous slice ``r * B / D .. (r + 1) * B / D`` of it. So the global
-batch at step ``k`` is the same samples under every layout, and the position ``p`` is the whole of the
-data state (it is saved in checkpoints and carried across layout switches).
+rank ``r`` of ``D`` reads a contiguous slice of it (`data_slice`: ``B / D`` each when ``D`` divides
+``B``, else the first ``B mod D`` ranks read one more). So the global batch at step ``k`` is the same
+samples under every layout and every world size, and the position ``p`` is the whole of the data
+state (it is saved in checkpoints and carried across layout switches).
+
+Where the slices differ in length, each rank's mean loss is weighted by its share of the batch
+(`loss_weight`), so the gradient is still that of the global mean loss.
 """
 
 from __future__ import annotations
@@ -80,6 +84,21 @@ def load_tokens(path: str | None) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 
 
+def data_slice(global_batch: int, data_parallel: int, data_rank: int) -> tuple[int, int]:
+    """(start, count) of data rank `data_rank`'s slice of a global batch split among `data_parallel`:
+    contiguous, as even as can be, the longer slices first."""
+    base, extra = divmod(global_batch, data_parallel)
+    return data_rank * base + min(data_rank, extra), base + (data_rank < extra)
+
+
+def loss_weight(global_batch: int, data_parallel: int, data_rank: int) -> float:
+    """What a data rank's mean loss is multiplied by before its backward, so that averaging the
+    gradients over the data ranks (as DDP and FSDP do) gives the gradient of the mean over the
+    global batch: the rank's share of the batch times the number of data ranks (1 on an even split)."""
+    _, count = data_slice(global_batch, data_parallel, data_rank)
+    return 1.0 if global_batch % data_parallel == 0 else count * data_parallel / global_batch
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, for the epoch cache
 class BatchStream:
     """Global batches of ``global_batch`` windows; see the module docstring for the order."""
@@ -117,9 +136,9 @@ class BatchStream:
 
     def batch(self, position: int, data_rank: int, data_parallel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets (local_batch, seq_len) int64 of one data rank at stream `position`."""
-        local = self.global_batch // data_parallel
-        assert local * data_parallel == self.global_batch, (self.global_batch, data_parallel)
-        ids = self.window_ids(position + data_rank * local, local)
+        start, count = data_slice(self.global_batch, data_parallel, data_rank)
+        assert count > 0, (self.global_batch, data_parallel, data_rank)
+        ids = self.window_ids(position + start, count)
         starts = ids * self.seq_len
         rows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         rows_t = torch.from_numpy(rows)

@@ -22,7 +22,7 @@ from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import BatchStream, load_tokens
+from shardshift.train.data import BatchStream, data_slice, load_tokens, loss_weight
 from shardshift.train.model import loss_fn
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import Parallel, build_parallel, wrap_for_training
@@ -144,13 +144,22 @@ class Trainer:
         )
         # scale_grads: each micro-batch's loss is a mean over the micro-batch; dividing the summed
         # gradients by the number of micro-batches makes them the gradient of the local-batch mean.
+        # Under pp the batch splits evenly (`TrainConfig.check_batch`: slices that differ by one
+        # cannot both split into two or more micro-batches), so no rank's loss is weighted.
         return module, Schedule1F1B(stage, n_microbatches=self.cfg.micro_batches, loss_fn=loss_fn, scale_grads=True)
 
+    def _loss_weight(self) -> float:
+        """This rank's weight on its mean loss (`data.loss_weight`: 1 unless the batch splits unevenly)."""
+        layout = self.cfg.layout
+        return loss_weight(self.cfg.global_batch, layout.data_parallel, layout.data_rank(self.par.coord))
+
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Local mean loss on the last stage (None elsewhere); gradients left in `.grad`."""
+        """Local mean loss on the last stage (None elsewhere); gradients, of the loss weighted by
+        this rank's share of the batch (`_loss_weight`), left in `.grad`."""
+        weight = self._loss_weight()
         if self.pipeline is None:
             loss = loss_fn(self.module(inputs), targets)
-            loss.backward()
+            (loss if weight == 1.0 else loss * weight).backward()
             return loss.detach()
         if self.par.is_first_stage:
             self.pipeline.step(inputs)
@@ -163,11 +172,16 @@ class Trainer:
         return None
 
     def _global_loss(self, local_loss: torch.Tensor | None) -> float:
-        """Mean of the data ranks' losses, counted once per data rank (tp rank 0 of the last stage)."""
-        layout = self.cfg.layout
+        """Mean loss over the global batch: the data ranks' means, each weighted by its share of
+        the batch and counted once (tp rank 0 of the last stage)."""
+        layout, batch = self.cfg.layout, self.cfg.global_batch
         total = torch.zeros((), dtype=torch.float64, device=self.par.device)
         if local_loss is not None and self.par.coord.tp == 0:
-            total += local_loss.double() / layout.data_parallel
+            if batch % layout.data_parallel == 0:
+                total += local_loss.double() / layout.data_parallel
+            else:
+                _, count = data_slice(batch, layout.data_parallel, layout.data_rank(self.par.coord))
+                total += local_loss.double() * count / batch
         dist.all_reduce(total)
         return float(total)
 

@@ -100,3 +100,29 @@ def test_cli_save_and_resume_under_another_layout(tmp_path, budget):
         torch.tensor(list(step_losses(tmp_path / "run.jsonl").values()), dtype=torch.float64),
         torch.tensor(list(step_losses(tmp_path / "ref.jsonl").values()), dtype=torch.float64), rtol=1e-9, atol=0,
     )
+
+
+def _finite_cases(rank: int, world_size: int) -> list[bool]:
+    import dataclasses
+
+    trainer = Trainer(dataclasses.replace(_config("fsdp=2"), dtype="float32"), rank, "cpu")
+    trainer.train_step()
+    state, answers = trainer.state, []
+    moment = next(t for key, t in state.tensors().items() if key.startswith("exp_avg_sq:"))
+    piece = moment.to_local() if hasattr(moment, "to_local") else moment
+    answers.append(state.finite())
+    kept = piece.clone()
+    for value in (float("inf"), float("nan")):
+        piece.view(-1)[-1] = value
+        answers.append(state.finite())
+    piece.fill_(3e38)  # every element finite, their float32 sum overflows
+    answers.append(state.finite())
+    piece.copy_(kept)
+    return answers
+
+
+def test_the_finite_check_finds_an_inf_or_a_nan_and_passes_a_sum_that_overflows():
+    """`TrainingState.finite` (what a save checks first) sums each piece and only looks at
+    elements when the sum is not finite: an inf or a NaN is found, large finite values are not
+    mistaken for one."""
+    assert run_distributed(2, _finite_cases) == [[True, False, False, True]] * 2

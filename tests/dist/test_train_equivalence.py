@@ -89,6 +89,30 @@ def test_all_four_rank_layouts_match_one_process(single, budget):
         assert all(results[text]["keys"] for results in per_rank), f"{text}: state keys differ from the space"
 
 
+def _train_uneven(rank: int, world_size: int, layouts: list[str]) -> dict:
+    results = {}
+    for text in layouts:
+        trainer = Trainer(dataclasses.replace(_config(Layout.parse(text)), global_batch=6), rank, "cpu")
+        results[text] = {"losses": [trainer.train_step().loss for _ in range(STEPS)], "params": full_parameters(trainer)}
+    return results
+
+
+def test_a_batch_that_does_not_split_evenly_among_data_ranks_gives_the_same_losses(single, budget):
+    """A global batch of 6 over 4 data ranks is read as 2, 2, 1, 1 sequences, each rank's loss
+    weighted by its share: the run equals one process on the same 6 sequences a step."""
+    reference = run_distributed(1, _train_uneven, ["dp=1"], timeout_s=budget.left())[0]["dp=1"]
+    layouts = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
+    per_rank = run_distributed(4, _train_uneven, layouts, timeout_s=budget.left())
+    for text in layouts:
+        for rank, results in enumerate(per_rank):
+            torch.testing.assert_close(torch.tensor(results[text]["losses"]), torch.tensor(reference["losses"]),
+                                       rtol=RTOL, atol=0, msg=f"{text} rank {rank} losses")
+            for name, value in results[text]["params"].items():
+                torch.testing.assert_close(value, reference["params"][name], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, n=name: f"{text} rank {rank} parameter {n}: {m}")
+    assert reference["losses"] != single["float64"]["losses"]  # a batch of 6, not the usual 8
+
+
 def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
     results = {}
     for text, dtype in cases:

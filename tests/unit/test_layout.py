@@ -79,10 +79,14 @@ def test_batch_constraints():
     def cfg(layout, **kw):
         return TrainConfig(layout=Layout.parse(layout), model=model_config("tiny"), model_name="tiny", steps=1, **kw)
 
-    with pytest.raises(ValueError, match="does not split among dp\\*fsdp=3"):
-        cfg("dp=3", global_batch=16)
-    with pytest.raises(ValueError, match="does not split into --micro-batches 3"):
+    with pytest.raises(ValueError, match="--global-batch 2 leaves some of the dp\\*fsdp=3 data ranks without"):
+        cfg("dp=3", global_batch=2)
+    cfg("dp=3", global_batch=16)  # 6, 5 and 5 sequences
+    with pytest.raises(ValueError, match="of 16 sequences .* do not split into --micro-batches 3"):
         cfg("pp=2", global_batch=16, micro_batches=3)
+    with pytest.raises(ValueError, match="of 2 and 3 sequences .* do not split into --micro-batches 2"):
+        cfg("dp=2,pp=2", global_batch=5, micro_batches=2)
+    cfg("dp=3,pp=2", global_batch=12)
     with pytest.raises(ValueError, match="fewer than pp=4"):
         cfg("pp=4", global_batch=16, micro_batches=2)
     with pytest.raises(ValueError, match="--dtype 'float16'"):
