@@ -54,6 +54,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-budget", default="256M",
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    e = p.add_argument_group("elastic membership (workers join and leave the running job)")
+    e.add_argument("--elastic", action="store_true",
+                   help="serve a coordinator; workers may join (`shardshift join`) and leave on notice (SIGTERM to "
+                        "a worker) while the job trains, and the state moves to the new world in the running processes")
+    e.add_argument("--min-nproc", type=int, default=1, help="fewest workers the job trains with (fewer: it stops and saves)")
+    e.add_argument("--max-nproc", type=int, default=None,
+                   help="most workers (default: --nproc plus the scripted joiners); ready joiners beyond it wait")
+    e.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",
+                   help="the layout of a world of N workers (repeatable); otherwise fsdp=N, else dp=N")
+    e.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
+                   help="a scripted event after step STEP (repeatable): join=N workers, leave=RANK (a real SIGTERM "
+                        "to that worker), kill=RANK")
+    e.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="where the coordinator serves (default: loopback, a free port)")
     p.add_argument("--log-dir", default=None,
                    help="where ranks 1.. append their output (rank-N.log); default: a temporary directory, "
                         "removed when the run succeeds")
@@ -71,7 +85,7 @@ def _switches(args: argparse.Namespace, layout: Layout) -> tuple[tuple[int, Layo
     (no --layout, and the default layout's world: `layout` is what the run resolved)."""
     if args.switch is not None:
         return tuple(parse_switch(text) for text in args.switch)
-    if args.layout is not None or layout != DEFAULT_LAYOUT:
+    if args.layout is not None or layout != DEFAULT_LAYOUT or getattr(args, "elastic", False):
         return ()
     steps = [max(2, round(fraction * args.steps) + 1) for fraction, _ in DEFAULT_SWITCHES]
     return tuple(
@@ -187,7 +201,77 @@ def _layout(args: argparse.Namespace, nproc: int | None) -> Layout:
     return Layout(dp=nproc)
 
 
+def elastic_from_args(args: argparse.Namespace, nproc: int):
+    """The elastic part of the command line, validated (every world size must have a layout)."""
+    from shardshift.elastic.config import ElasticConfig, Inject, parse_address, parse_layout_for
+
+    if args.switch is not None:
+        raise ValueError("--switch does not go with --elastic: there the layout follows the world (--layout-for)")
+    if args.coordinator is not None:
+        parse_address(args.coordinator)
+    injects = tuple(Inject.parse(text) for text in args.inject)
+    joiners = sum(i.arg for i in injects if i.kind == "join")
+    ecfg = ElasticConfig(min_nproc=args.min_nproc, max_nproc=args.max_nproc or nproc + joiners,
+                         layouts=tuple(parse_layout_for(text) for text in args.layout_for), injects=injects,
+                         coordinator=args.coordinator)
+    if not ecfg.min_nproc <= nproc <= ecfg.max_nproc:
+        raise ValueError(f"--nproc {nproc} is outside --min-nproc {ecfg.min_nproc} .. --max-nproc {ecfg.max_nproc}")
+    return ecfg
+
+
+def _elastic_layout(args: argparse.Namespace, nproc: int) -> Layout:
+    """The first world's layout: --layout, or the one --layout-for or the policy gives `nproc`."""
+    if args.layout is not None:
+        return Layout.parse(args.layout)
+    from shardshift.elastic.config import parse_layout_for
+
+    named = dict(parse_layout_for(text) for text in args.layout_for)
+    return named.get(nproc, Layout(fsdp=nproc))
+
+
+def _elastic_run(args: argparse.Namespace) -> int:
+    from shardshift.elastic.config import check_every_world
+    from shardshift.train.space import check_layout
+
+    try:
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
+        nproc = _world_size(args)
+        if nproc is None:
+            raise ValueError("--elastic needs --nproc: the first world's number of workers")
+        layout = _elastic_layout(args, nproc)
+        layout.check_world(nproc)
+        cfg = config_from_args(args, layout)
+        ecfg = elastic_from_args(args, nproc)
+
+        def check(candidate: Layout) -> None:
+            check_layout(candidate, cfg.model)
+            cfg.check_batch(candidate)
+
+        check_every_world(ecfg, check)
+        if not in_worker():
+            _check_before_launch(cfg, args.log_dir)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+    if in_worker():
+        from shardshift.elastic.worker import member_main
+
+        return member_main(cfg, ecfg, args.timeout)
+    from shardshift.elastic.coordinator import launch_elastic
+
+    return launch_elastic(nproc, args.argv, ecfg, timeout_s=args.timeout, log_dir=args.log_dir)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.elastic:
+        return _elastic_run(args)
+    given = [flag for flag, value in (("--inject", args.inject), ("--layout-for", args.layout_for),
+                                      ("--coordinator", args.coordinator), ("--max-nproc", args.max_nproc),
+                                      ("--min-nproc", args.min_nproc != 1)) if value]
+    if given:
+        print(f"shardshift: error: {given[0]} needs --elastic", file=sys.stderr)
+        return 2
     try:
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")

@@ -36,17 +36,35 @@ Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """A layout placed on processes: ``ranks[i]`` is the process at the layout's i-th coordinate."""
+    """A layout placed on processes: ``ranks[i]`` is the process at the layout's i-th coordinate.
+
+    `processes` is how many processes the transition it belongs to involves (0: the layout's world,
+    each process taking one coordinate). A world that grows or shrinks plans over the processes of
+    the old world and the new one together: a process not in `ranks` holds nothing.
+    """
 
     layout: Layout
     ranks: tuple[int, ...]
+    processes: int = 0
 
     def __post_init__(self) -> None:
-        if sorted(self.ranks) != list(range(self.layout.world_size)):
+        n = self.layout.world_size
+        if not self.processes:
+            if sorted(self.ranks) != list(range(n)):
+                raise ValueError(
+                    f"an assignment of {self.layout} needs each of processes 0..{n - 1} exactly once, "
+                    f"got {list(self.ranks)}"
+                )
+        elif len(self.ranks) != n or len(set(self.ranks)) != n or not all(0 <= r < self.processes for r in self.ranks):
             raise ValueError(
-                f"an assignment of {self.layout} needs each of processes 0..{self.layout.world_size - 1} "
-                f"exactly once, got {list(self.ranks)}"
+                f"an assignment of {self.layout} needs {n} distinct processes of 0..{self.processes - 1}, "
+                f"got {list(self.ranks)}"
             )
+
+    @property
+    def world(self) -> int:
+        """The processes of the transition: those holding state under this assignment, and others."""
+        return self.processes or self.layout.world_size
 
     @classmethod
     def identity(cls, layout: Layout) -> "Assignment":
@@ -83,10 +101,12 @@ def coord_holdings(space: StateSpace, layout: Layout) -> Holdings:
 
 
 def holdings_of(space: StateSpace, assignment: Assignment, by_coord: Holdings | None = None) -> Holdings:
-    """The box of every tensor held by every process under `assignment`."""
+    """The box of every tensor held by every process of `assignment.world` (None where it holds
+    nothing)."""
     by_coord = coord_holdings(space, assignment.layout) if by_coord is None else by_coord
     index = {rank: i for i, rank in enumerate(assignment.ranks)}
-    return tuple(by_coord[index[rank]] for rank in range(len(assignment.ranks)))
+    nothing = (None,) * len(space.tensors)
+    return tuple(by_coord[index[rank]] if rank in index else nothing for rank in range(assignment.world))
 
 
 def _kept_bytes(tensors: Sequence[LogicalTensor], old: tuple[Box | None, ...], new: tuple[Box | None, ...]) -> int:
@@ -124,18 +144,31 @@ def increasing_on_every_axis(layout: Layout, ranks: Sequence[int]) -> bool:
 
 def choose_ranks(
     space: StateSpace, old: Assignment, layout: Layout, old_held: Holdings | None = None,
-    by_coord: Holdings | None = None,
+    by_coord: Holdings | None = None, members: Sequence[int] | None = None,
 ) -> Assignment:
     """The placement of `layout` on the processes that keeps the most bytes where they are.
 
     Process p keeps ``kept[p, i]`` bytes if it takes coordinate i: maximising the sum is a linear
-    assignment problem. Its optimum is taken when every axis runs in increasing rank order (see
-    `axis_orders`); otherwise the best of the axis orders is. Ties keep the current order.
+    assignment problem. In the same world its optimum is taken when every axis runs in increasing
+    rank order (see `axis_orders`); otherwise the best of the axis orders is. Ties keep the
+    current order.
+
+    `members`: the processes (of `old.world`) that make up a new world of another size. Its ranks
+    are numbered afresh, by coordinate, so any placement is one PyTorch's meshes take: the optimum
+    is used as it is.
     """
     n = layout.world_size
-    assert n == old.layout.world_size, "changing the number of processes is not a layout switch"
     old_held = holdings_of(space, old) if old_held is None else old_held
     by_coord = coord_holdings(space, layout) if by_coord is None else by_coord
+    if members is not None:
+        assert len(members) == n, (members, layout)
+        kept = np.array([[_kept_bytes(space.tensors, old_held[p], by_coord[i]) for i in range(n)] for p in members])
+        procs, coords = linear_sum_assignment(kept, maximize=True)
+        placed = [0] * n
+        for p, i in zip(procs, coords):
+            placed[i] = int(members[p])
+        return Assignment(layout, tuple(placed), old.world)
+    assert n == old.layout.world_size and old.world == n, "a new world of another size needs `members`"
     kept = np.array([[_kept_bytes(space.tensors, old_held[p], by_coord[i]) for i in range(n)] for p in range(n)])
     candidates = axis_orders(layout)
     procs, coords = linear_sum_assignment(kept, maximize=True)
@@ -236,28 +269,40 @@ def _replica_classes(boxes: list[tuple[int, Box]]) -> list[tuple[Box, list[int]]
 
 
 def plan_transition(
-    space: StateSpace, old: Assignment, layout: Layout, ranks: Sequence[int] | None = None
+    space: StateSpace, old: Assignment, layout: Layout, ranks: Sequence[int] | None = None,
+    members: Sequence[int] | None = None, lost: Sequence[int] = (),
 ) -> TransitionPlan:
     """Plan the switch from `old` to `layout` (placed by `choose_ranks` unless `ranks` is given).
+
+    For a world that changes size, `old` is placed on the processes of the old and new worlds
+    together (`Assignment.processes`) and `members` names the processes of the new world: those
+    that are not in `old` arrive with nothing, and those of `old` that are not members only send.
+    `lost`: processes of `old` whose state is gone (they crashed): every piece is taken from
+    another copy, and a piece no surviving process holds is a ValueError naming it.
 
     Raises ValueError, before anything moves, if the state cannot take `layout`.
     """
     space.check(layout)
-    if layout.world_size != old.layout.world_size:
+    if members is None and layout.world_size != old.layout.world_size:
         raise ValueError(
             f"layout {layout} has {layout.world_size} ranks but the job has {old.layout.world_size}; "
             f"choose degrees whose product is {old.layout.world_size}"
         )
+    if members is not None and len(members) != layout.world_size:
+        raise ValueError(f"layout {layout} has {layout.world_size} ranks but the new world has {len(members)} processes")
     tensors = tuple(space.tensors)
     old_boxes, by_coord = holdings_of(space, old), coord_holdings(space, layout)
-    if ranks is None:
-        new = choose_ranks(space, old, layout, old_boxes, by_coord)
+    if ranks is not None:
+        new = Assignment(layout, tuple(ranks), old.processes)
     else:
-        new = Assignment(layout, tuple(ranks))
-    if not increasing_on_every_axis(layout, new.ranks):
+        new = choose_ranks(space, old, layout, old_boxes, by_coord, members)
+    if members is None and not increasing_on_every_axis(layout, new.ranks):
         raise ValueError(f"rank order {list(new.ranks)} runs backwards along an axis of {layout}; use one of `axis_orders`")
     new_boxes = holdings_of(space, new, by_coord)
-    n = layout.world_size
+    n = old.world
+    if lost:
+        gone = (None,) * len(tensors)
+        old_boxes = tuple(gone if rank in lost else boxes for rank, boxes in enumerate(old_boxes))
     sent = [0] * n
     segments: list[Segment] = []
     for index, tensor in enumerate(tensors):
@@ -266,6 +311,7 @@ def plan_transition(
             need = new_boxes[dst][index]
             if need is None or need.empty:
                 continue
+            covered = 0
             for source_box, holders in classes:
                 piece = source_box.intersect(need)
                 if piece.empty:
@@ -275,6 +321,12 @@ def plan_transition(
                 if src != dst:
                     sent[src] += piece.numel * tensor.itemsize
                 segments.append(Segment(index, src, dst, piece))
+                covered += piece.numel
+            if covered != need.numel:
+                raise ValueError(
+                    f"{tensor.key}: {need.numel - covered} of the {need.numel} elements process {dst} needs are held "
+                    f"by no surviving process (lost: {sorted(lost)}); they can only come from a checkpoint"
+                )
     plan = TransitionPlan(tensors, old, new, old_boxes, new_boxes, tuple(segments))
     assert plan.bytes_moved == plan.bytes_lower_bound, (plan.bytes_moved, plan.bytes_lower_bound)
     return plan

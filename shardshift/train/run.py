@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -53,17 +54,19 @@ class Stopped(Exception):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-class _Signals:
+class Signals:
     """`STOP_SIGNALS`, recorded while a run trains (the handler does nothing else)."""
 
     def __init__(self) -> None:
         self.received = 0
+        self.received_at = 0.0  # time.monotonic() when the first arrived
         self.previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
         for sig in self.previous:
             signal.signal(sig, self._record)
 
     def _record(self, signum: int, _frame) -> None:
-        self.received = self.received or signum
+        if not self.received:
+            self.received, self.received_at = signum, time.monotonic()
 
     def agreed(self, device: torch.device) -> int:
         """The signal any rank received (0: none): a collective, so that all stop at one step."""
@@ -76,7 +79,7 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-class _Metrics:
+class Metrics:
     """Rank 0's JSONL file of steps and events (a no-op elsewhere or without `--metrics`)."""
 
     def __init__(self, path: str | None, rank: int) -> None:
@@ -92,7 +95,7 @@ class _Metrics:
             self.file.close()
 
 
-def _report(cfg: TrainConfig, result: StepResult, metrics: _Metrics) -> None:
+def report_step(cfg: TrainConfig, result: StepResult, metrics: Metrics) -> None:
     if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.stop_at):
         say(f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
              f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s")
@@ -107,7 +110,7 @@ def _report(cfg: TrainConfig, result: StepResult, metrics: _Metrics) -> None:
     })
 
 
-def _report_switch(report, metrics: _Metrics) -> None:
+def _report_switch(report, metrics: Metrics) -> None:
     say(
         f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s "
         f"(prepared in {report.prepare_seconds:.2f} s{' ahead' if report.prepared_ahead else ''}): "
@@ -123,7 +126,7 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
     return 0
 
 
-def _resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
+def resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
     """The checkpoint to resume from (None: start fresh), as rank 0 chose it, after checking that
     the run may save into `--save`: every rank gets the same answer, or the same ValueError."""
     answer: list = [None]
@@ -142,7 +145,7 @@ def _resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
 
 
 def _choose(cfg: TrainConfig, tokens) -> str | None:
-    """Rank 0's part of `_resume_point`: the choice, said; a checkpoint a crash left set aside
+    """Rank 0's part of `resume_point`: the choice, said; a checkpoint a crash left set aside
     while its step was saved again is renamed back first."""
     choice = choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
     if choice.skipped or choice.path is not None:
@@ -159,9 +162,9 @@ def _choose(cfg: TrainConfig, tokens) -> str | None:
 def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     cfg.layout.check_world(proc.world_size)
     tokens = load_tokens(cfg.data)
-    resume = _resume_point(cfg, tokens, proc.rank) if (cfg.resume or cfg.save) else None
+    resume = resume_point(cfg, tokens, proc.rank) if (cfg.resume or cfg.save) else None
     trainer = Trainer(cfg, proc.rank, proc.device_type, tokens=tokens, timeout_s=timeout_s)
-    metrics = _Metrics(cfg.metrics, proc.rank)
+    metrics = Metrics(cfg.metrics, proc.rank)
     if resume is not None:
         checkpoint.load(trainer, resume)
         metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),
@@ -171,7 +174,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
             f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
             f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}"
         )
-    signals = _Signals()
+    signals = Signals()
     try:
         _loop(cfg, trainer, proc.rank, metrics, signals)
     except Stopped as stop:
@@ -187,7 +190,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     dist.barrier()
 
 
-def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: _Metrics, signals: _Signals) -> None:
+def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: Metrics, signals: Signals) -> None:
     pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
     # The next switch is prepared (planned, its meshes and storage-less model built) ahead of
     # time, so that at its step only the state moves.
@@ -201,7 +204,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: _Metrics, sign
             prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
         result = trainer.train_step()
         if rank == 0:
-            _report(trainer.cfg, result, metrics)
+            report_step(trainer.cfg, result, metrics)
         step = trainer.progress.step
         stop = signals.agreed(trainer.par.device)
         if cfg.save and (stop or (cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):

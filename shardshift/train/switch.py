@@ -215,6 +215,53 @@ def switch_state(old: TrainingState, prepared: PreparedSwitch, group, timeout_s:
     return new, stats
 
 
+class _Nothing:
+    """The source of a process that arrives with no state, the sink of one that leaves."""
+
+    def local(self, index: int) -> torch.Tensor:
+        raise AssertionError(f"tensor {index}: this process holds nothing of the old state")
+
+    def release(self, index: int) -> None:
+        raise AssertionError(f"tensor {index}: this process holds nothing of the old state")
+
+    def open(self, index: int) -> torch.Tensor:
+        raise AssertionError(f"tensor {index}: this process takes nothing of the new state")
+
+
+def switch_world(old: TrainingState | None, plan: TransitionPlan, process: int, new_cfg: TrainConfig,
+                 new_par: Parallel | None, group, timeout_s: float,
+                 budget: int = DEFAULT_BUDGET) -> tuple[TrainingState | None, ExecStats]:
+    """Move the state into a world of another size: `plan` places the old and the new world on
+    their processes together (`reshard.plan`), and `process` is this one's number there.
+
+    `old`: this process's state (None: it joins with nothing). `new_par`: its meshes in the new
+    world (None: it leaves, and returns None). `group` holds every process of the plan and carries
+    the transfers. The new model and AdamW state are built with no storage and filled as
+    `switch_state` fills them; `old` is consumed as there.
+    """
+    space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
+    program = compile_program(build_schedule(plan, budget), process)
+    sink = model = None
+    if new_par is not None:
+        model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype)
+        sink = _ModelSink(model, space, new_par.device)
+    device = new_par.device if new_par is not None else old.par.device
+    source = _StateSource(old, space) if old is not None else _Nothing()
+    try:
+        stats = run_program(program, source, sink or _Nothing(), Transport(group), Deadline.after(timeout_s), device)
+    except BaseException as err:
+        if old is not None:
+            old.mark_lost(f"a change of world from {plan.old} to {plan.new} failed while moving it ({err})")
+        raise
+    if old is not None:
+        old.mark_lost(f"a change of world moved it to {plan.new}; use the state it returned")
+    if new_par is None:
+        return None, stats
+    new = TrainingState(new_par, model, build_optimizer(model, new_cfg.optim, sink.optim_state), Progress())
+    new.restore(sink.scalars)
+    return new, stats
+
+
 def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ahead: bool, step: int,
                   group) -> SwitchReport:
     """What a switch did (a collective over `group`: the per-rank figures are the worst rank's).

@@ -42,6 +42,14 @@ class Diverged(RuntimeError):
         self.step = step
 
 
+class StepAborted(RuntimeError):
+    """A step's commit vote failed (a worker died): nothing of the step was applied."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step} was not committed: a worker was lost; nothing of it was applied")
+        self.step = step
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     step: int  # optimizer steps taken after this one (1 after the first step)
@@ -60,20 +68,21 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None, ranks=None, group=None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
-        """`ranks`: the process at each coordinate of the layout (default: process i at the i-th)."""
+                 timeout_s: float = DEFAULT_TIMEOUT_S, state: TrainingState | None = None):
+        """`ranks`: the process at each coordinate of the layout (default: process i at the i-th).
+        `state`: go on from this state (one a change of world built) instead of the initial one."""
         self.cfg = cfg
         self.rank = rank
         self.group = dist.group.WORLD if group is None else group
         self.timeout_s = timeout_s
-        self.state = TrainingState.initial(cfg, build_parallel(cfg.layout, rank, device_type, ranks))
+        self.state = state or TrainingState.initial(cfg, build_parallel(cfg.layout, rank, device_type, ranks))
         self.stream = BatchStream(
             load_tokens(cfg.data) if tokens is None else tokens,
             cfg.model.seq_len,
             cfg.global_batch,
             cfg.seed,
         )
-        self.module, self.pipeline = self._runtime(sync=True)
+        self.module, self.pipeline = self._runtime(sync=state is None)  # a moved state's replicas are equal
 
     # ---- the state, read through --------------------------------------------------------------
 
@@ -126,6 +135,10 @@ class Trainer:
         self.module, self.pipeline = self._runtime(sync=False)  # the switch made replicas identical
         return switch_report(prepared, stats, time.perf_counter() - start, ahead=prepared is target,
                              step=self.progress.step + 1, group=self.group)
+
+    def release_runtime(self) -> None:
+        """Drop what runs steps (the DDP wrapper, the pipeline): before the groups they use go."""
+        self.module = self.pipeline = None
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -185,7 +198,10 @@ class Trainer:
         dist.all_reduce(total)
         return float(total)
 
-    def train_step(self) -> StepResult:
+    def train_step(self, commit=None) -> StepResult:
+        """One optimizer step. `commit(step)`, when given, is asked once the step's gradients and
+        loss are known and before anything of the state changes: False aborts the step
+        (`StepAborted`), leaving the state as it was (an elastic run's workers vote so)."""
         self.state.check_usable()
         cfg, layout, progress = self.cfg, self.cfg.layout, self.progress
         start = time.perf_counter()
@@ -203,6 +219,9 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise Diverged(progress.step + 1, f"loss {loss}, gradient norm {grad_norm}")
+        if commit is not None and not commit(progress.step + 1):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepAborted(progress.step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

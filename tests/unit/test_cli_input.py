@@ -23,6 +23,7 @@ def _not_a_worker(monkeypatch):
         raise AssertionError("bad input reached the launcher: a process would have been started")
 
     monkeypatch.setattr("shardshift.launch.start_ranks", no_process)
+    monkeypatch.setattr("shardshift.elastic.coordinator.launch_elastic", no_process)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +53,34 @@ def _not_a_worker(monkeypatch):
     ],
 )
 def test_train_refuses_bad_input_before_any_process_starts(args, needle, capsys, monkeypatch):
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardshift: error: ")
+    assert re.search(needle, err), err
+
+
+ELASTIC = ["--elastic", "--model", "test", "--global-batch", "6"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--inject", "2:leave=1"], "--inject needs --elastic"),
+    (["--layout-for", "3:fsdp=3"], "--layout-for needs --elastic"),
+    ([*ELASTIC], "--elastic needs --nproc"),
+    ([*ELASTIC, "--nproc", "4", "--inject", "leave=1"], "--inject 'leave=1' is not STEP:join=N"),
+    ([*ELASTIC, "--nproc", "4", "--inject", "3:crash=1"], "--inject '3:crash=1' is not STEP:join=N"),
+    ([*ELASTIC, "--nproc", "4", "--inject", "0:leave=1"], "the step must be >= 1"),
+    ([*ELASTIC, "--nproc", "4", "--inject", "2:leave=1", "--inject", "2:join=1"], "one event per step"),
+    ([*ELASTIC, "--nproc", "4", "--min-nproc", "5", "--max-nproc", "6"], "--nproc 4 is outside --min-nproc 5"),
+    ([*ELASTIC, "--nproc", "4", "--max-nproc", "3"], "--max-nproc 3 is below --min-nproc 1|outside"),
+    ([*ELASTIC, "--nproc", "4", "--min-nproc", "0"], "--min-nproc 0 must be >= 1"),
+    ([*ELASTIC, "--nproc", "4", "--layout-for", "3:fsdp=2"], "--layout-for 3:fsdp=2: the layout has 2 ranks, not 3"),
+    ([*ELASTIC, "--nproc", "4", "--layout-for", "3"], "--layout-for '3' is not N:LAYOUT"),
+    ([*ELASTIC, "--nproc", "4", "--layout-for", "3:tp=3"], "tp=3 does not divide n_head"),
+    ([*ELASTIC, "--nproc", "4", "--max-nproc", "7"], "no layout for a world of 7 workers .* --layout-for 7:LAYOUT"),
+    ([*ELASTIC, "--nproc", "2", "--switch", "3:tp=2"], "--switch does not go with --elastic"),
+    ([*ELASTIC, "--nproc", "2", "--coordinator", "nohost"], "--coordinator 'nohost' is not HOST:PORT"),
+])
+def test_elastic_train_refuses_bad_input_before_any_process_starts(args, needle, capsys):
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardshift: error: ")

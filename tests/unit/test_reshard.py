@@ -119,6 +119,53 @@ def test_plan_moves_every_element_exactly_where_it_belongs(cfg, world, data, bud
             assert np.array_equal(returned[rank][t], original[rank][t])
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=models, old_world=st.integers(1, 6), new_world=st.integers(1, 6), data=st.data(),
+       budget=st.sampled_from([4 << 10, 1 << 20]))
+def test_a_world_that_grows_or_shrinks_ends_with_every_piece(cfg, old_world, new_world, data, budget):
+    """The old world's processes and the new one's, planned together: processes that join hold
+    nothing before, those that leave nothing after, and every new piece is exactly its slice."""
+    space = GPTSpace(cfg, torch.float32)
+    old_layouts, new_layouts = _valid(cfg, old_world), _valid(cfg, new_world)
+    if not old_layouts or not new_layouts:
+        return
+    old_layout, new_layout = data.draw(st.sampled_from(old_layouts)), data.draw(st.sampled_from(new_layouts))
+    joiners = data.draw(st.integers(max(0, new_world - old_world), new_world))  # the rest stay
+    processes = old_world + joiners
+    stay = sorted(data.draw(st.permutations(range(old_world)))[: new_world - joiners])
+    members = stay + list(range(old_world, processes))
+    old = Assignment(old_layout, tuple(data.draw(st.sampled_from(axis_orders(old_layout)))), processes)
+    plan = plan_transition(space, old, new_layout, members=members)
+    schedule = build_schedule(plan, budget)
+    assert sorted(plan.new.ranks) == members
+    assert plan.bytes_moved == plan.bytes_lower_bound
+    new = _symbolic_switch(plan, schedule, _pieces(plan.tensors, plan.old_boxes))
+    expected = _pieces(plan.tensors, plan.new_boxes)
+    for rank in range(processes):
+        assert set(new[rank]) == set(expected[rank])
+        for t in expected[rank]:
+            assert np.array_equal(new[rank][t], expected[rank][t]), (rank, plan.tensors[t].key)
+        if rank not in members:
+            assert not any(box is not None for box in plan.new_boxes[rank])
+
+
+def test_a_crash_takes_each_piece_from_a_surviving_copy_or_names_what_is_gone():
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+    space = GPTSpace(cfg, torch.float32)
+    old = Assignment(Layout.parse("dp=2,fsdp=2"), (0, 1, 2, 3))  # 0 and 2, 1 and 3 are replicas
+    plan = plan_transition(space, old, Layout.parse("fsdp=3"), members=[0, 2, 3], lost=[1])
+    assert all(seg.src != 1 for seg in plan.segments)
+    new = _symbolic_switch(plan, build_schedule(plan), _pieces(plan.tensors, plan.old_boxes))
+    expected = _pieces(plan.tensors, plan.new_boxes)
+    for rank in (0, 2, 3):
+        for t in expected[rank]:
+            assert np.array_equal(new[rank][t], expected[rank][t])
+    with pytest.raises(ValueError, match=r"held by no surviving process \(lost: \[1, 3\]\)"):
+        plan_transition(space, old, Layout.parse("fsdp=2"), members=[0, 2], lost=[1, 3])
+    with pytest.raises(ValueError, match="needs 2 distinct processes of 0..2"):
+        Assignment(Layout.parse("fsdp=2"), (0, 3), 3)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=models, data=st.data(), scale=st.sampled_from([4, 16]))
 def test_memory_stays_within_the_budget(cfg, data, scale):

@@ -1,0 +1,110 @@
+"""What an elastic run is allowed to become: its world sizes, the layout for each, scripted events.
+
+Pure: parsing and validation only, done before any process starts (and again in every worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from shardshift.layout import Layout
+
+INJECT_KINDS = ("join", "leave", "kill")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inject:
+    """A scripted membership event at the step boundary after step `step` (tests and demos):
+    ``join``: `arg` workers started by the coordinator are admitted there (the job waits for them
+    if they are not ready yet); ``leave``: the worker of rank `arg` gets a real SIGTERM;
+    ``kill``: the worker of rank `arg` gets a real SIGKILL inside that step."""
+
+    step: int
+    kind: str
+    arg: int
+
+    @classmethod
+    def parse(cls, text: str) -> Inject:
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\w+)\s*=\s*(\d+)\s*", text)
+        if match is None or match.group(2) not in INJECT_KINDS:
+            raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK or STEP:kill=RANK; "
+                             "write e.g. --inject 5:leave=3")
+        step, kind, arg = int(match.group(1)), match.group(2), int(match.group(3))
+        if step < 1:
+            raise ValueError(f"--inject {text!r}: the step must be >= 1 (the event follows that step)")
+        if kind == "join" and arg < 1:
+            raise ValueError(f"--inject {text!r}: join at least one worker")
+        return cls(step, kind, arg)
+
+    def __str__(self) -> str:
+        return f"{self.step}:{self.kind}={self.arg}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    min_nproc: int
+    max_nproc: int
+    layouts: tuple[tuple[int, Layout], ...] = ()  # --layout-for N:LAYOUT
+    injects: tuple[Inject, ...] = ()
+    coordinator: str | None = None  # HOST:PORT the coordinator serves on (None: loopback, a free port)
+
+    def __post_init__(self) -> None:
+        if self.min_nproc < 1:
+            raise ValueError(f"--min-nproc {self.min_nproc} must be >= 1")
+        if self.max_nproc < self.min_nproc:
+            raise ValueError(f"--max-nproc {self.max_nproc} is below --min-nproc {self.min_nproc}")
+        sizes = [n for n, _ in self.layouts]
+        for n, layout in self.layouts:
+            if layout.world_size != n:
+                raise ValueError(f"--layout-for {n}:{layout}: the layout has {layout.world_size} ranks, not {n}")
+        if len(set(sizes)) != len(sizes):
+            raise ValueError(f"--layout-for names a world size twice: {sorted(sizes)}")
+        if len({i.step for i in self.injects}) != len(self.injects):
+            raise ValueError("--inject: one event per step; put the events at different steps")
+
+    @property
+    def joiners_to_start(self) -> int:
+        """Workers the coordinator starts for the scripted joins (they prepare while training goes on)."""
+        return sum(i.arg for i in self.injects if i.kind == "join")
+
+    def inject_at(self, step: int) -> Inject | None:
+        return next((i for i in self.injects if i.step == step), None)
+
+
+def parse_layout_for(text: str) -> tuple[int, Layout]:
+    size, sep, layout = text.partition(":")
+    if not sep or not size.strip().isdigit():
+        raise ValueError(f"--layout-for {text!r} is not N:LAYOUT; write e.g. --layout-for 3:fsdp=3")
+    return int(size), Layout.parse(layout)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--coordinator {text!r} is not HOST:PORT; write e.g. --coordinator 10.0.0.5:29400")
+    return host, int(port)
+
+
+def layout_for(n: int, ecfg: ElasticConfig, check) -> Layout:
+    """The layout of a world of `n` workers: the one `--layout-for` names, else the first of FSDP
+    over all of them and plain replication that `check(layout)` accepts (it raises ValueError
+    for a layout the model or batch cannot take). ValueError when none fits."""
+    named = dict(ecfg.layouts)
+    if n in named:
+        check(named[n])
+        return named[n]
+    reasons = []
+    for layout in (Layout(fsdp=n), Layout(dp=n)):
+        try:
+            check(layout)
+            return layout
+        except ValueError as err:
+            reasons.append(f"{layout}: {err}")
+    raise ValueError(f"no layout for a world of {n} workers ({'; '.join(reasons)}); give one with --layout-for {n}:LAYOUT")
+
+
+def check_every_world(ecfg: ElasticConfig, check) -> dict[int, Layout]:
+    """The layout of every world size from --min-nproc to --max-nproc; ValueError naming the first
+    size that has none."""
+    return {n: layout_for(n, ecfg, check) for n in range(ecfg.min_nproc, ecfg.max_nproc + 1)}

@@ -1,0 +1,188 @@
+"""The coordinator of an elastic run (`shardshift train --elastic`): it serves the job's c10d store,
+starts the first world's workers and the joiners of scripted joins, and watches them.
+
+It holds no training state and takes no part in a change of world: the workers agree on each
+change among themselves, at a step boundary, through one all-reduce and the store
+(`worker.py`). The coordinator's part is the store (membership epochs, the joiners' queue), the
+processes it started, and how the job ends:
+
+- every worker that exits 0 is done or left on notice;
+- a signal to the coordinator (SIGINT, SIGTERM, SIGHUP) is written to the store (``stop``): the
+  workers finish their step, save with ``--save``, and exit; what is left after the drain time is
+  killed;
+- a worker of the current world that dies otherwise (a crash) is reported to the others in the
+  store (``crash/{epoch}``, once, with every worker that died within `_Crashes.SETTLE_S`); they
+  agree on the last committed step and go on without it (`worker.py`). A worker that fails after
+  that, or one the job cannot go on without, stops the job, naming it.
+
+Workers started elsewhere join with ``shardshift join --coordinator HOST:PORT``; they are not
+the coordinator's children, and are not watched by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from shardshift.console import say
+from shardshift.elastic.config import ElasticConfig, parse_address
+from shardshift.elastic.membership import COORDINATOR_ENV, MEMBER_ENV
+from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
+
+_WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def serve(address: str | None, timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """The job's store, served by this process: on `address` (HOST:PORT) or loopback and a free
+    port; returns it and the address workers connect to."""
+    host, port = parse_address(address) if address else ("127.0.0.1", 0)
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as err:
+        raise ValueError(f"--coordinator {address}: cannot serve there ({err}); give an address of this "
+                         "machine and a free port") from None
+    return store, f"{host}:{store.port}"
+
+
+def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, timeout_s: float,
+                   log_dir: str | None = None, drain_s: float = DRAIN_S) -> int:
+    """Run the elastic job ``python -m shardshift <argv>`` from `nproc` workers; its exit status."""
+    store, address = serve(ecfg.coordinator, timeout_s)
+    store.set("config/argv", json.dumps(list(argv)))
+    store.set("config/nproc", str(nproc))
+    env = {k: v for k, v in os.environ.items() if k not in _WORKER_ENV}
+    env[COORDINATOR_ENV] = address
+    if address.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    signals: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in previous:
+        signal.signal(sig, lambda signum, _frame: signals.append(signum))
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp, contextlib.ExitStack() as files:
+            logs = Path(log_dir) if log_dir is not None else Path(tmp) / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+
+            def start(name: str, command: list[str], extra: dict[str, str], passthrough: bool = False) -> None:
+                out = {} if passthrough else {"stdout": files.enter_context(open(logs / f"{name}.log", "ab")),
+                                              "stderr": subprocess.STDOUT}
+                procs[name] = local_spawn(0, command, {**env, **extra}, stdin=subprocess.DEVNULL, **out)
+
+            python = [sys.executable, "-m", "shardshift"]
+            for rank in range(nproc):
+                start(f"worker-{rank}", [*python, *argv],
+                      {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(nproc), MEMBER_ENV: str(rank)}, passthrough=rank == 0)
+            for k in range(ecfg.joiners_to_start):
+                start(f"joiner-{k}", [*python, "join", "--coordinator", address, "--timeout", repr(timeout_s)], {})
+            say(f"coordinator at {address}: add a worker with `shardshift join --coordinator {address}`")
+            status, failed = _watch(procs, store, signals, drain_s)
+            succeeded = status == 0
+            if not succeeded and log_dir is None:
+                import shutil
+
+                logs = Path(shutil.move(logs, tempfile.mkdtemp(prefix="shardshift-logs-")))
+        if failed is not None:
+            name, code = failed
+            tail = "" if name == "worker-0" else _tail(logs / f"{name}.log")
+            say(f"shardshift: {name} exited with code {code}, and the job could not go on without it; stopped the "
+                f"others. Resume from the newest checkpoint (--resume).{tail}", "stderr")
+        if not succeeded:
+            say(f"shardshift: the workers' output is in {logs}", "stderr")
+        return status
+    finally:
+        stop(list(procs.values()))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[int],
+           drain_s: float) -> tuple[int, tuple[str, int] | None]:
+    """Wait for the job to end (module docstring): its status, and the worker whose crash ended it
+    if one did. A crash of a worker of the current world is reported to the others (`_Crashes`),
+    who go on without it if they can."""
+    drained_by = None
+    crashes = _Crashes(store)
+    survived: list[tuple[str, int]] = []
+    while True:
+        codes = {name: proc.poll() for name, proc in procs.items()}
+        if signals and drained_by is None:
+            store.set("stop", str(signals[0]))
+            drained_by = time.monotonic() + drain_s
+        stopping = drained_by is not None or store.check(["stopped"])
+        # A worker killed by a signal comes first: its peers fail after it (their collectives break).
+        ended = sorted(((n, c) for n, c in codes.items() if c not in (None, 0) and not (stopping and c > 128)
+                        and (n, c) not in survived), key=lambda item: item[1] >= 0)
+        for name, code in ended:
+            if not stopping and crashes.lost(procs[name].pid):
+                survived.append((name, code))
+                say(f"shardshift: {name} exited with code {code}; the others go on without it", "stderr")
+            else:
+                stop(list(procs.values()), GRACE_S)
+                return (code if code > 0 else 128 - code), (name, code)
+        crashes.publish_if_settled()
+        if all(code is not None for code in codes.values()):
+            if signals:
+                return 128 + signals[0], None
+            stopped = [c for n, c in codes.items() if c and (n, c) not in survived]
+            return (stopped[0] if stopped else 0), None
+        if drained_by is not None and time.monotonic() > drained_by:
+            stop(list(procs.values()), GRACE_S)
+            return 128 + signals[0], None
+        time.sleep(0.05)
+
+
+class _Crashes:
+    """Crashed workers of the current world, reported once in ``crash/{epoch}`` (the workers' only
+    source for who is lost, so that every survivor plans from the same set): a short while after
+    the first, so that workers that died together are reported together."""
+
+    SETTLE_S = 0.3
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.pending: list[int] = []
+        self.seen = 0.0  # time.time() of the first pending exit
+        self.first_at = 0.0
+
+    def lost(self, pid: int) -> bool:
+        """Note worker process `pid` as crashed; False when it is in no world the job trains in now
+        (it had left, or was never admitted): then the job cannot be sure to go on."""
+        if not (self.store.check([f"pid/{pid}"]) and self.store.check(["epoch/current"])):
+            return False
+        member = int(self.store.get(f"pid/{pid}"))
+        epoch = int(self.store.get("epoch/current"))
+        members = json.loads(self.store.get(f"epoch/{epoch}"))["members"]
+        if member not in members or self.store.check([f"crash/{epoch}"]):
+            return False  # not a member now, or a second crash in the same world: not survived here
+        if not self.pending:
+            self.seen, self.first_at = time.time(), time.monotonic()
+        self.pending.append(member)
+        return True
+
+    def publish_if_settled(self) -> None:
+        if self.pending and time.monotonic() - self.first_at > self.SETTLE_S:
+            epoch = int(self.store.get("epoch/current"))
+            self.store.set(f"crash/{epoch}", json.dumps({"lost": self.pending, "seen": self.seen}))
+            self.pending = []
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f" Its last output ({log}):\n" + "\n".join(f"  {line}" for line in text)

@@ -1,0 +1,489 @@
+"""One worker of an elastic run: train in the current world, and at each step boundary agree with
+the others whether the world changes; if it does, move the state into the next world in the
+running processes (`train.switch.switch_world`) and go on.
+
+After every step the world's ranks exchange one small all-reduce (`_Control`): the signal the
+coordinator passed on (the job stops), the joiners rank 0 found ready in the store, and which
+ranks got a signal of their own (a leave on notice: SIGTERM, SIGINT or SIGHUP to one worker).
+Every rank then computes the same next world (`_next_epoch`): the workers that stay, in the
+order of the old world, then the joiners; its layout (`--layout-for`, or the policy of
+`config.layout_for`); and the plan that places it (`reshard.plan`, keeping the most bytes where
+they are). The move itself:
+
+1. the old world's workers and the joiners build the move group (``epoch{e}/move``);
+2. the old world's workers leave its process groups; the new world's workers form the next one
+   (``epoch{e}/world``) and build its meshes;
+3. the state moves over the move group, straight from the workers that hold each piece to those
+   that need it; a leaving worker sends its pieces and exits 0.
+
+A world smaller than ``--min-nproc`` is not built: the job stops as for a signal (it saves with
+``--save``).
+
+A crash (a worker gone without notice, at any moment) is survived so:
+
+- **Nobody keeps a half-applied update.** Before the optimizer steps, every worker votes in the
+  store (`_commit`: one counter per step). A step is applied only once all of the world voted;
+  a worker that finds a loss reported before that aborts the step (`StepAborted`), and since the
+  count is final once the dead worker is gone, every survivor decides alike. All of a step's
+  collectives come before the vote, so a survivor whose collective broke has not applied it either.
+- **Everyone plans from the same loss.** The coordinator writes the crashed workers of the
+  current world to ``crash/{epoch}`` once (`coordinator._Crashes`); a survivor whose collective
+  broke, or whose vote stalls, waits for that record (up to the timeout; otherwise the error
+  stands).
+- **Each piece comes from a copy.** The survivors form the next world and move the state as for a
+  leave, every piece the lost worker held taken from a replica (``reshard.plan``'s ``lost``). A
+  piece with no surviving copy sends the survivors to the newest checkpoint of ``--save``
+  instead: they form their world, load it, and report the steps lost. Fewer survivors than
+  ``--min-nproc``, or no copy and no checkpoint, stop the job with that message (`WorldLost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardshift.console import say
+from shardshift.elastic import membership
+from shardshift.elastic.config import ElasticConfig, layout_for
+from shardshift.elastic.membership import Epoch
+from shardshift.layout import Layout
+from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
+from shardshift.runtime import process_from_env
+from shardshift.train import checkpoint
+from shardshift.train.catalog import checkpoints
+from shardshift.train.config import TrainConfig
+from shardshift.train.data import load_tokens
+from shardshift.train.parallelize import build_parallel
+from shardshift.train.run import DIVERGED_EXIT, Metrics, Signals, Stopped, report_step, resume_point
+from shardshift.train.space import GPTSpace, check_layout
+from shardshift.train.state import LostState
+from shardshift.train.switch import switch_world
+from shardshift.train.trainer import Diverged, StepAborted, Trainer
+
+
+class WorldLost(RuntimeError):
+    """Workers were lost and the job cannot go on in the running processes."""
+
+    def __init__(self, what: str, save: str | None) -> None:
+        where = f"resume with --resume {save}" if save else "start again (give --save to have checkpoints)"
+        super().__init__(f"{what}: the job stops; {where}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Control:
+    """What the ranks agreed after a step."""
+
+    stop: int  # the signal the coordinator passed on (0: none)
+    joins: int  # joiners to admit now
+    leaving: tuple[int, ...]  # ranks that leave on notice
+    noticed_at: float  # on this rank: when its own signal arrived (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    """A change of world, as every worker of the old and the new world computes it."""
+
+    epoch: Epoch  # the new world
+    union: tuple[int, ...]  # worker ids: the old world's in rank order, then the joiners
+    plan: TransitionPlan  # over the union's processes (indices into `union`)
+    old_layout: Layout
+    cfg: TrainConfig  # the run's configuration under the new layout
+    lost: int = 0  # crashed workers: the last of `union`, in no group
+
+    @property
+    def movers(self) -> int:
+        """The processes of the move group: the union but the crashed."""
+        return len(self.union) - self.lost
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _check_layout(cfg: TrainConfig):
+    def check(layout: Layout) -> None:
+        check_layout(layout, cfg.model)
+        cfg.check_batch(layout)
+    return check
+
+
+def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
+                old_ranks: tuple[int, ...], leaving: set[int], joiners: list[int], number: int, kind: str, step: int,
+                admitted: int, lost: frozenset[int] = frozenset()) -> _Change:
+    """The next world and the plan that moves the state into it. Pure, and the same on every
+    worker of the old and the new world: its inputs are in the epoch's record (`Epoch`).
+
+    `old_members`: worker ids in the old world's rank order; `old_ranks`: the old world's rank at
+    each coordinate of `old_layout`; `leaving`: worker ids that go on notice; `joiners`: ids that
+    come; `lost`: ids that crashed (their pieces come from copies; ValueError if one has none).
+    The plan's processes are the workers that stay (old rank order), the joiners, then the lost,
+    so that the move group's ranks are the plan's first processes."""
+    union = tuple(m for m in old_members if m not in lost) + tuple(sorted(joiners)) + \
+        tuple(m for m in old_members if m in lost)
+    where = {m: u for u, m in enumerate(union)}
+    members = [u for u, m in enumerate(union) if m not in leaving and m not in lost]
+    layout = layout_for(len(members), ecfg, _check_layout(cfg))
+    new_cfg = cfg.with_layout(layout)
+    space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
+    old = Assignment(old_layout, tuple(where[old_members[r]] for r in old_ranks), len(union))
+    plan = plan_transition(space, old, layout, members=members, lost=[where[m] for m in lost])
+    epoch = Epoch(number, tuple(union[u] for u in plan.new.ranks), layout, step, kind, admitted,
+                  previous=tuple(old_members), previous_layout=old_layout, previous_ranks=tuple(old_ranks))
+    return _Change(epoch, union, plan, old_layout, new_cfg, len(lost))
+
+
+class ElasticWorker:
+    """A worker of an elastic run, in a world (`trainer` set) or about to join one."""
+
+    def __init__(self, cfg: TrainConfig, ecfg: ElasticConfig, store: dist.Store, member: int, timeout_s: float):
+        self.cfg, self.ecfg, self.store, self.member, self.timeout_s = cfg, ecfg, store, member, timeout_s
+        self.tokens = load_tokens(cfg.data)
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.trainer: Trainer | None = None
+        self.epoch: Epoch | None = None
+        self.metrics: Metrics | None = None
+        self.signals = Signals()
+
+    # ---- starting ------------------------------------------------------------------------------
+
+    def start_first_world(self) -> None:
+        """Join the first world as the launcher numbered this worker; resume if asked."""
+        proc = process_from_env()
+        cfg = self.cfg
+        cfg.layout.check_world(proc.world_size)
+        epoch = Epoch(0, tuple(range(proc.world_size)), cfg.layout, 0)
+        membership.init_world(self.store, epoch, proc.rank, self.timeout_s, _backend())
+        resume = resume_point(cfg, self.tokens, proc.rank) if (cfg.resume or cfg.save) else None
+        self.trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
+        self.metrics = Metrics(cfg.metrics, proc.rank)
+        if resume is not None:
+            checkpoint.load(self.trainer, resume)
+            self.metrics.write({"event": "resume", "step": self.trainer.progress.step, "checkpoint": str(resume),
+                                "layout": str(cfg.layout)})
+        self.epoch = dataclasses.replace(epoch, step=self.trainer.progress.step)
+        self.store.set(f"pid/{os.getpid()}", str(self.member))  # the coordinator names a crashed worker by it
+        if proc.rank == 0:
+            self.store.set("epoch/0", self.epoch.to_json())
+            self.store.set("epoch/current", "0")
+            say(f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) elastically under {cfg.layout} "
+                f"on {proc.world_size} {self.device_type} workers ({self.ecfg.min_nproc}..{self.ecfg.max_nproc}), "
+                f"{cfg.dtype}")
+
+    def join(self) -> bool:
+        """Say this worker is ready, wait to be admitted, then move into that world; False if the
+        job stopped or ended first. Its id follows the first world's: its place in the queue."""
+        index = membership.register_joiner(self.store)
+        self.member = int(self.store.get("config/nproc")) + index
+        self.store.set(f"pid/{os.getpid()}", str(self.member))
+        ready_at = time.monotonic()
+        epoch = membership.wait_for_admission(self.store, index)
+        if epoch is None:
+            return False
+        waited = time.monotonic() - ready_at
+        change = plan_change(self.cfg, self.ecfg, epoch.previous, epoch.previous_layout, epoch.previous_ranks,
+                             set(epoch.previous) - set(epoch.members),
+                             [m for m in epoch.members if m not in epoch.previous], epoch.number, epoch.kind,
+                             epoch.step, epoch.admitted)
+        assert change.epoch == epoch, (change.epoch, epoch)
+        self._move(change, time.monotonic(), detect_s=waited)
+        return True
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train to the end, changing worlds on the way; the exit status (0: done, or left)."""
+        try:
+            while self.trainer is not None and self.trainer.progress.step < self.cfg.stop_at:
+                trainer = self.trainer
+                rank = dist.get_rank()
+                try:
+                    result = trainer.train_step(commit=self._commit)
+                    if rank == 0:
+                        report_step(trainer.cfg, result, self.metrics)
+                    control = self._control(trainer.progress.step, rank)
+                except (RuntimeError, StepAborted) as err:  # a collective broke, or the vote failed
+                    if isinstance(err, (Diverged, LostState)):
+                        raise
+                    self._recover(err)
+                    continue
+                cfg = self.cfg
+                staying = self.epoch.world_size - len(control.leaving)
+                joins = control.joins
+                too_few = staying + joins < self.ecfg.min_nproc
+                stop = control.stop or (signal.SIGTERM if too_few else 0)
+                step = trainer.progress.step
+                if cfg.save and (stop or (cfg.save_every and step % cfg.save_every == 0) or step == cfg.stop_at):
+                    path = checkpoint.save(trainer, cfg.save, keep=cfg.keep_checkpoints)
+                    if rank == 0:
+                        say(f"saved {path}")
+                if stop:
+                    if rank == 0:
+                        self.store.set("stopped", str(stop))  # the coordinator: exits now are not crashes
+                    if too_few and rank == 0:
+                        say(f"shardshift: {len(control.leaving)} worker(s) leaving would leave {staying + joins}, "
+                            f"fewer than --min-nproc {self.ecfg.min_nproc}: stopping the job", "stderr")
+                    raise Stopped(stop)
+                if control.leaving or joins:
+                    self._change(control, staying, joins)
+            if self.trainer is not None and dist.get_rank() == 0:
+                self.store.set("done", "1")
+            return 0
+        finally:
+            self.signals.restore()
+            if self.metrics is not None:
+                self.metrics.close()
+
+    def _commit(self, step: int) -> bool:
+        """The vote before the optimizer steps: True once every worker of this world has its
+        gradients for `step`; False when the coordinator reports a worker of this world lost
+        before all had voted. Every survivor decides alike: the count a lost worker left behind
+        is final once its loss is reported. A scripted kill happens here, inside the step."""
+        inject = self._inject(step, "kill")
+        if inject is not None and inject.arg == dist.get_rank():
+            os.kill(os.getpid(), signal.SIGKILL)
+        epoch, key = self.epoch, f"commit/{self.epoch.number}/{step}"
+        if self.store.add(key, 1) == epoch.world_size:
+            self.store.set(f"{key}/all", "1")
+            return True
+        crash = f"crash/{epoch.number}"
+        while not self.store.check([f"{key}/all"]):
+            if self.store.check([crash]):
+                return self.store.add(key, 0) == epoch.world_size
+            time.sleep(0.002)
+        return True
+
+    def _inject(self, step: int, kind: str):
+        """This step's scripted event of `kind`, if it has not happened yet: a step that runs again
+        after a crash does not repeat it (the store counts each event once per rank acting on it)."""
+        inject = self.ecfg.inject_at(step)
+        if inject is None or inject.kind != kind:
+            return None
+        done = f"inject/{inject}/epoch"
+        first = self.store.compare_set(done, "", str(self.epoch.number)).decode()
+        return inject if first == str(self.epoch.number) else None
+
+    def _recover(self, err: Exception) -> None:
+        """A worker of this world crashed (or `err` is not about that: it is raised again once the
+        coordinator has not reported a loss within the timeout). The survivors agree on who is
+        lost (the coordinator's record), and move the state into a world of the survivors, each
+        piece from a surviving copy; without one, from the newest checkpoint."""
+        noticed = time.monotonic()
+        epoch, key = self.epoch, f"crash/{self.epoch.number}"
+        while not self.store.check([key]):
+            if time.monotonic() - noticed > self.timeout_s:
+                raise err
+            time.sleep(0.01)
+        record = json.loads(self.store.get(key))
+        lost = frozenset(record["lost"])
+        detect = max(0.0, time.time() - record["seen"])
+        trainer = self.trainer
+        trainer.optimizer.zero_grad(set_to_none=True)
+        survivors = [m for m in epoch.members if m not in lost]
+        if len(survivors) < self.ecfg.min_nproc:
+            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step}, leaving "
+                            f"{len(survivors)}, fewer than --min-nproc {self.ecfg.min_nproc}", self.cfg.save)
+        try:
+            change = plan_change(self.cfg, self.ecfg, epoch.members, trainer.cfg.layout, trainer.par.ranks, set(), [],
+                                 epoch.number + 1, "crash", trainer.progress.step, epoch.admitted, lost)
+        except ValueError as no_copy:
+            self._restart_from_checkpoint(survivors, lost, no_copy, noticed, detect)
+            return
+        if dist.get_rank() == min(epoch.members.index(m) for m in survivors):
+            membership.announce(self.store, change.epoch, range(0))
+        self._move(change, noticed, detect_s=detect, recovered_from="replica")
+
+    def _restart_from_checkpoint(self, survivors: list[int], lost: frozenset[int], why: ValueError, noticed: float,
+                                 detect: float) -> None:
+        """No surviving copy of some piece: the survivors form their world and load the newest
+        checkpoint of `--save` (the steps since it are lost, and run again)."""
+        trainer, epoch, cfg = self.trainer, self.epoch, self.cfg
+        newest = checkpoints(Path(cfg.save)) if cfg.save else []
+        if not newest:
+            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}; "
+                            "there is no checkpoint either (give --save)", None)
+        layout = layout_for(len(survivors), self.ecfg, _check_layout(cfg))
+        new_cfg = cfg.with_layout(layout)
+        step_before = trainer.progress.step
+        next_epoch = Epoch(epoch.number + 1, tuple(survivors), layout, step_before, "crash", epoch.admitted,
+                           previous=epoch.members, previous_layout=trainer.cfg.layout,
+                           previous_ranks=tuple(trainer.par.ranks))
+        trainer.release_runtime()
+        self.trainer = trainer = None
+        if self.metrics is not None:
+            self.metrics.close()
+        dist.destroy_process_group()
+        rank = survivors.index(self.member)
+        if rank == 0:
+            membership.announce(self.store, next_epoch, range(0))
+        membership.init_world(self.store, next_epoch, rank, self.timeout_s, _backend())
+        self.cfg = new_cfg
+        self.trainer = Trainer(new_cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
+        checkpoint.load(self.trainer, newest[0])
+        self.epoch = dataclasses.replace(next_epoch, step=self.trainer.progress.step)
+        pause = _worst(dist.group.WORLD, [time.monotonic() - noticed, detect])
+        self._opened(rank, {"kind": "crash", "from_world": epoch.world_size, "to_world": len(survivors),
+                            "from": str(next_epoch.previous_layout), "to": str(layout), "detect_seconds": pause[1],
+                            "pause_seconds": pause[0], "bytes_moved": 0,
+                            "steps_lost": step_before - self.trainer.progress.step,
+                            "recovered_from": "checkpoint", "checkpoint": str(newest[0])})
+
+    def _control(self, step: int, rank: int) -> _Control:
+        """The after-step exchange (module docstring); scripted events are acted out first."""
+        inject = self._inject(step, "leave")
+        if inject is not None and inject.arg == rank:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled as any notice
+            deadline = time.monotonic() + 5.0
+            while not self.signals.received and time.monotonic() < deadline:
+                time.sleep(0.001)
+        n = self.epoch.world_size
+        vector = torch.zeros(2 + n, dtype=torch.int64)
+        if rank == 0:
+            vector[0] = membership.read_int(self.store, "stop")
+            vector[1] = self._joins_now(self._inject(step, "join"))
+        if self.signals.received:
+            vector[2 + rank] = 1
+        device = self.trainer.par.device
+        vector = vector.to(device)
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX)
+        values = vector.tolist()
+        leaving = tuple(r for r in range(n) if values[2 + r])
+        return _Control(values[0], values[1], leaving, self.signals.received_at)
+
+    def _joins_now(self, inject) -> int:
+        """Rank 0: how many joiners to admit at this boundary. With scripted joins, exactly those
+        of this step's event (waiting for them to be ready); else every ready one that fits."""
+        admitted, room = self.epoch.admitted, self.ecfg.max_nproc - self.epoch.world_size
+        if any(i.kind == "join" for i in self.ecfg.injects):
+            if inject is None or inject.kind != "join":
+                return 0
+            deadline = time.monotonic() + self.timeout_s
+            while membership.ready_joiners(self.store) < admitted + inject.arg:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {inject.arg} worker(s) to join after step {inject.step} were not ready "
+                                       f"within {self.timeout_s:.0f} s")
+                time.sleep(0.01)
+            return min(inject.arg, room)
+        return max(0, min(membership.ready_joiners(self.store) - admitted, room))
+
+    # ---- changing worlds -------------------------------------------------------------------------
+
+    def _change(self, control: _Control, staying: list[int], joins: int) -> None:
+        decided_at = time.monotonic()
+        old, trainer = self.epoch, self.trainer
+        first_joiner = int(self.store.get("config/nproc")) + old.admitted
+        leaving = {old.members[r] for r in control.leaving}
+        change = plan_change(self.cfg, self.ecfg, old.members, trainer.cfg.layout, trainer.par.ranks, leaving,
+                             list(range(first_joiner, first_joiner + joins)), old.number + 1,
+                             "leave" if leaving else "join", trainer.progress.step, old.admitted + joins)
+        if dist.get_rank() == 0:
+            membership.announce(self.store, change.epoch, range(old.admitted, old.admitted + joins))
+        detect = decided_at - control.noticed_at if control.noticed_at else 0.0
+        self._move(change, decided_at, detect_s=detect)
+
+    def _move(self, change: _Change, started_at: float, detect_s: float, recovered_from: str = "none") -> None:
+        """Move this worker's state (if any) into the new world (if it is in it)."""
+        process = change.union.index(self.member)
+        group = membership.move_group(self.store, change.epoch, process, change.movers, self.timeout_s)
+        old_state = None
+        if self.trainer is not None:
+            old_state = self.trainer.state
+            self.trainer.release_runtime()
+            self.trainer = None
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics = None
+            dist.destroy_process_group()
+        new_par, rank = None, None
+        if process in change.plan.new.ranks:
+            rank = change.plan.new.ranks.index(process)
+            membership.init_world(self.store, change.epoch, rank, self.timeout_s, _backend())
+            new_par = build_parallel(change.epoch.layout, rank, self.device_type)
+        state, stats = switch_world(old_state, change.plan, process, change.cfg, new_par, group, self.timeout_s,
+                                    self.cfg.switch_budget)
+        del old_state
+        if state is not None:
+            self.cfg = change.cfg
+            self.trainer = Trainer(change.cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s,
+                                   state=state)
+        worst = _worst(group, [time.monotonic() - started_at, detect_s])  # also: nobody leaves before all arrived
+        del group
+        self.epoch = change.epoch
+        if state is None:
+            say(f"shardshift: worker {self.member} left after step {change.epoch.step}, its state moved to the "
+                f"{change.epoch.world_size} remaining", "stderr")
+            return
+        self._opened(rank, {"kind": change.epoch.kind, "from_world": len(change.epoch.previous),
+                            "to_world": change.epoch.world_size, "from": str(change.old_layout),
+                            "to": str(change.epoch.layout), "detect_seconds": worst[1], "pause_seconds": worst[0],
+                            "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from})
+
+    def _opened(self, rank: int, event: dict) -> None:
+        """A new world is ready to train: its rank 0 records the change and says it in one line."""
+        self.metrics = Metrics(self.cfg.metrics, rank)
+        if rank != 0:
+            return
+        self.store.set("epoch/current", str(self.epoch.number))
+        event = {"event": "membership", "step": self.epoch.step, **event}
+        self.metrics.write(event)
+        lost = f"{event['steps_lost']} step(s) lost, from {event['checkpoint']}" if event["steps_lost"] else "no step lost"
+        say(f"{event['kind']}: {event['from_world']} -> {event['to_world']} workers after step {event['step']}, "
+            f"{event['from']} -> {event['to']}: paused {event['pause_seconds']:.2f} s, moved "
+            f"{event['bytes_moved']:,} bytes, {lost}")
+
+
+def _worst(group, values: list[float]) -> list[float]:
+    """The largest of each value over `group` (a collective; any group with torch's methods)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([tensor], options).wait()
+    return tensor.tolist()
+
+
+def member_main(cfg: TrainConfig, ecfg: ElasticConfig, timeout_s: float) -> int:
+    """A worker the coordinator started in the first world."""
+    store = membership.connect(os.environ[membership.COORDINATOR_ENV], timeout_s)
+    worker = ElasticWorker(cfg, ecfg, store, int(os.environ[membership.MEMBER_ENV]), timeout_s)
+    worker.start_first_world()
+    return _finish(worker)
+
+
+def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, store: dist.Store, timeout_s: float) -> int:
+    """A worker that joins a running job (`shardshift join`)."""
+    worker = ElasticWorker(cfg, ecfg, store, -1, timeout_s)  # its id comes with its place in the queue
+    if not worker.join():
+        say("shardshift: the job stopped or ended before this worker was admitted", "stderr")
+        return 0
+    return _finish(worker)
+
+
+def _finish(worker: ElasticWorker) -> int:
+    """Run `worker` to its end; its exit status, as a worker of a fixed job would have it
+    (`train.run`): 0, 128 + the signal it stopped for, 3 for a diverged step, 2 for bad input."""
+    try:
+        return worker.run()
+    except Stopped as stop:
+        if dist.is_initialized() and dist.get_rank() == 0:
+            say(f"shardshift: stopped by signal {stop.signum} after step {worker.trainer.progress.step}"
+                + (f"; resume with --resume {worker.cfg.save}" if worker.cfg.save else " (no --save: nothing was saved)"),
+                "stderr")
+        return 128 + stop.signum
+    except Diverged as err:
+        say(f"shardshift: error: {err}", "stderr")
+        return DIVERGED_EXIT
+    except ValueError as err:
+        say(f"shardshift: error: {err}", "stderr")
+        return 2
+    except WorldLost as err:
+        say(f"shardshift: error: {err}", "stderr")
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

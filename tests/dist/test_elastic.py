@@ -1,0 +1,172 @@
+"""Elastic membership (`shardshift train --elastic`): workers leave on notice and join while the job
+trains, the state moves to each new world in the running processes, and the float64 losses and
+final state equal a fixed run's. Every event is real: a SIGTERM to a worker, processes started by
+the coordinator that join, a SIGTERM or SIGKILL from outside. Each test ends with no process of
+the job alive (checked by PID)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from shardshift.train.catalog import checkpoints
+from support.training import metrics, step_losses
+
+STEPS = 8
+RUN = ["--model", "test", "--dtype", "float64", "--global-batch", "6", "--seed", "4", "--steps", str(STEPS),
+       "--log-every", "1"]
+RTOL = 1e-9
+
+
+def _train(tmp_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _job_pids(marker: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+def _all_gone(marker: str, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while _job_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _job_pids(marker)
+
+
+def _final_state(ckpt) -> dict[str, torch.Tensor]:
+    """Every logical tensor of the newest checkpoint in `ckpt`, whole (read in this process)."""
+    newest = checkpoints(ckpt)[0]
+    out = newest.parent / f"{newest.name}.pt"
+    dcp_to_torch_save(str(newest), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget):
+    """4 workers (fsdp=4); after step 2 worker 3 gets SIGTERM and leaves (4 -> 3, dp=3); inside step 4
+    rank 1 is SIGKILLed before the step is committed (3 -> 2, every piece from a replica, step 4 run
+    again); after step 6 two workers the coordinator started join (2 -> 4). The global batch of 6
+    splits unevenly among 4 workers. Losses and the final parameters and AdamW state equal the
+    fixed 4-worker run's, and no step is lost."""
+    fixed = _train(tmp_path, "--nproc", "4", "--layout", "fsdp=4", "--metrics", str(tmp_path / "fixed.jsonl"),
+                   "--save", str(tmp_path / "fixed"), "--log-dir", str(tmp_path / "fixed-logs"), timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", "--layout-for", "3:dp=3",
+                 "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
+                 "--metrics", str(tmp_path / "elastic.jsonl"), "--save", str(tmp_path / "elastic"),
+                 "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert _all_gone(str(tmp_path))
+
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["step"], e["kind"], e["from_world"], e["to_world"], e["from"], e["to"], e["recovered_from"])
+            for e in events] == [
+        (2, "leave", 4, 3, "fsdp=4", "dp=3", "none"), (3, "crash", 3, 2, "dp=3", "fsdp=2", "replica"),
+        (6, "join", 2, 4, "fsdp=2", "fsdp=4", "none")]
+    assert all(e["steps_lost"] == 0 and e["pause_seconds"] > 0 for e in events)
+    # dp=3 -> fsdp=2: each survivor holds every piece already; the leave and the join move bytes.
+    assert [e["bytes_moved"] > 0 for e in events] == [True, False, True]
+    assert "leave: 4 -> 3 workers after step 2" in run.stdout
+    assert "exited with code -9; the others go on without it" in run.stderr
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
+    assert want[1] != want[STEPS]  # not vacuous: training moved the loss
+
+    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(tmp_path / "fixed")
+    tensors = [k for k in reference if k.startswith(("param:", "exp_avg"))]
+    assert tensors and set(elastic) == set(reference)
+    for key in tensors:
+        torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
+    assert torch.equal(elastic["progress:train"], reference["progress:train"])
+
+
+def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget):
+    """dp=2,fsdp=2: rank 1's shards are also on rank 3. Rank 1 is SIGKILLed inside step 3; the
+    three survivors go on under fsdp=3, rank 1's pieces sent by rank 3, step 3 run again."""
+    fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = _train(tmp_path, "--elastic", "--nproc", "4", "--layout", "dp=2,fsdp=2", "--layout-for", "3:fsdp=3",
+                 "--inject", "3:kill=1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
+                 str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert _all_gone(str(tmp_path))
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["step"], e["kind"], e["from"], e["to"], e["steps_lost"], e["recovered_from"]) for e in events] == [
+        (2, "crash", "dp=2,fsdp=2", "fsdp=3", 0, "replica")]
+    assert events[0]["bytes_moved"] > 0
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
+
+
+def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_lost(tmp_path, budget):
+    """fsdp=2 keeps one copy of each piece: when rank 1 is SIGKILLed inside step 4, the survivor
+    loads the step-2 checkpoint (step 3 is lost and run again), and the losses from there on are
+    the uninterrupted run's."""
+    fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = _train(tmp_path, "--elastic", "--nproc", "2", "--inject", "4:kill=1", "--save", str(tmp_path / "ckpt"),
+                 "--save-every", "2", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
+                 timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert _all_gone(str(tmp_path))
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["step"], e["kind"], e["from_world"], e["to_world"], e["steps_lost"], e["recovered_from"])
+            for e in events] == [(2, "crash", 2, 1, 1, "checkpoint")]
+    assert "1 step(s) lost, from" in run.stdout
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
+
+
+def test_a_crash_below_the_smallest_world_stops_the_job_naming_it(tmp_path, budget):
+    run = _train(tmp_path, "--elastic", "--nproc", "2", "--min-nproc", "2", "--inject", "3:kill=1",
+                 "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "workers [1] were lost after step 2, leaving 1, fewer than --min-nproc 2: the job stops" in run.stderr
+    assert _all_gone(str(tmp_path))
+
+
+def test_leaving_below_the_smallest_world_stops_the_job_and_saves(tmp_path, budget):
+    run = _train(tmp_path, "--elastic", "--nproc", "2", "--min-nproc", "2", "--inject", "3:leave=1",
+                 "--save", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr[-3000:]
+    assert "would leave 1, fewer than --min-nproc 2: stopping the job" in run.stdout + run.stderr
+    assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step-00000003"]
+    assert _all_gone(str(tmp_path))
+
+
+def test_a_signal_to_the_coordinator_stops_every_worker_after_a_save(tmp_path, budget):
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN[:-4], "--steps", "100000", "--log-every",
+                            "1", "--elastic", "--nproc", "2", "--save", str(tmp_path / "ckpt"), "--log-dir",
+                            str(tmp_path / "logs"), "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("step     3"):
+                break
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=budget.left())
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert checkpoints(tmp_path / "ckpt"), out + err
+    assert _all_gone(str(tmp_path))
+
+
+def test_join_without_a_job_there_says_so(budget):
+    run = subprocess.run([sys.executable, "-m", "shardshift", "join", "--coordinator", "127.0.0.1:9", "--timeout", "2"],
+                         capture_output=True, text=True, timeout=budget.left())
+    assert run.returncode == 2
+    assert "--coordinator 127.0.0.1:9: no elastic job answers there" in run.stderr
