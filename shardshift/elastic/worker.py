@@ -61,14 +61,14 @@ from shardshift.train.catalog import checkpoints
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
 from shardshift.train.parallelize import build_parallel
-from shardshift.train.run import DIVERGED_EXIT, Metrics, Signals, Stopped, report_step, resume_point
+from shardshift.train.run import Metrics, RunFailed, Signals, Stopped, exit_status, report_step, resume_point
 from shardshift.train.space import GPTSpace, check_layout
 from shardshift.train.state import LostState
 from shardshift.train.switch import switch_world
 from shardshift.train.trainer import Diverged, StepAborted, Trainer
 
 
-class WorldLost(RuntimeError):
+class WorldLost(RunFailed):
     """Workers were lost and the job cannot go on in the running processes."""
 
     def __init__(self, what: str, save: str | None) -> None:
@@ -229,6 +229,9 @@ class ElasticWorker:
                     if too_few and rank == 0:
                         say(f"shardshift: {len(control.leaving)} worker(s) leaving would leave {staying + joins}, "
                             f"fewer than --min-nproc {self.ecfg.min_nproc}: stopping the job", "stderr")
+                    if rank == 0:
+                        saved = f"; resume with --resume {cfg.save}" if cfg.save else " (no --save: nothing was saved)"
+                        say(f"shardshift: stopped by signal {stop} after step {step}{saved}", "stderr")
                     raise Stopped(stop)
                 if control.leaving or joins:
                     self._change(control, staying, joins)
@@ -466,24 +469,9 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, store: dist.Store, timeou
 
 def _finish(worker: ElasticWorker) -> int:
     """Run `worker` to its end; its exit status, as a worker of a fixed job would have it
-    (`train.run`): 0, 128 + the signal it stopped for, 3 for a diverged step, 2 for bad input."""
+    (`train.run.exit_status`)."""
     try:
-        return worker.run()
-    except Stopped as stop:
-        if dist.is_initialized() and dist.get_rank() == 0:
-            say(f"shardshift: stopped by signal {stop.signum} after step {worker.trainer.progress.step}"
-                + (f"; resume with --resume {worker.cfg.save}" if worker.cfg.save else " (no --save: nothing was saved)"),
-                "stderr")
-        return 128 + stop.signum
-    except Diverged as err:
-        say(f"shardshift: error: {err}", "stderr")
-        return DIVERGED_EXIT
-    except ValueError as err:
-        say(f"shardshift: error: {err}", "stderr")
-        return 2
-    except WorldLost as err:
-        say(f"shardshift: error: {err}", "stderr")
-        return 1
+        return exit_status(worker.run)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -215,7 +216,11 @@ def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: Metrics, signa
             raise Stopped(stop)
 
 
-class SwitchFailed(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run cannot go on, and its message says why and where to resume from (exit status 1)."""
+
+
+class SwitchFailed(RunFailed):
     """A switch failed while moving the state; says where to resume from."""
 
     def __init__(self, err: Exception, save: str | None) -> None:
@@ -226,10 +231,15 @@ class SwitchFailed(RuntimeError):
 
 
 def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
-    """Run one rank; every way a run ends is one line and an exit status (module docstring); a
-    bug is a traceback."""
+    """Run one rank (`exit_status`)."""
+    return exit_status(lambda: run_training(cfg, timeout_s))
+
+
+def exit_status(body: Callable[[], int]) -> int:
+    """Run a rank's `body`; every way a run ends is one line and an exit status (module docstring);
+    a bug is a traceback."""
     try:
-        return run_training(cfg, timeout_s)
+        return body()
     except ValueError as err:
         say(f"shardshift: error: {err}", "stderr")
         return 2
@@ -238,6 +248,6 @@ def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
     except Diverged as err:
         say(f"shardshift: error: {err}", "stderr")
         return DIVERGED_EXIT
-    except SwitchFailed as err:
+    except RunFailed as err:
         say(f"shardshift: error: {err}", "stderr")
         return 1
