@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from shardshift.console import say
 from shardshift.elastic.config import ElasticConfig, parse_address
-from shardshift.elastic.membership import COORDINATOR_ENV, MEMBER_ENV
+from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV
 from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -72,8 +73,15 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
         signal.signal(sig, lambda signum, _frame: signals.append(signum))
     procs: dict[str, subprocess.Popen] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp, contextlib.ExitStack() as files:
-            logs = Path(log_dir) if log_dir is not None else Path(tmp) / "logs"
+        # Without --log-dir the logs go to a directory of the job's, which goes with it (or, if the
+        # coordinator is killed, with its workers: `worker.member_main`).
+        job_dir = None if log_dir is not None else tempfile.mkdtemp(prefix="shardshift-")
+        if job_dir is not None:
+            env[JOB_DIR_ENV] = job_dir
+        with contextlib.ExitStack() as files:
+            if job_dir is not None:
+                files.callback(shutil.rmtree, job_dir, ignore_errors=True)
+            logs = Path(log_dir) if log_dir is not None else Path(job_dir) / "logs"
             logs.mkdir(parents=True, exist_ok=True)
 
             def start(name: str, command: list[str], extra: dict[str, str], passthrough: bool = False) -> None:
@@ -88,12 +96,11 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
                        "LOCAL_WORLD_SIZE": str(nproc), MEMBER_ENV: str(rank)}, passthrough=rank == 0)
             for k in range(ecfg.joiners_to_start):
                 start(f"joiner-{k}", [*python, "join", "--coordinator", address, "--timeout", repr(timeout_s)], {})
+            store.set("spawn/started", str(ecfg.joiners_to_start))
             say(f"coordinator at {address}: add a worker with `shardshift join --coordinator {address}`")
             status, failed = _watch(procs, store, signals, drain_s)
             succeeded = status == 0
             if not succeeded and log_dir is None:
-                import shutil
-
                 logs = Path(shutil.move(logs, tempfile.mkdtemp(prefix="shardshift-logs-")))
         if failed is not None:
             name, code = failed
@@ -127,7 +134,10 @@ def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[
         ended = sorted(((n, c) for n, c in codes.items() if c not in (None, 0) and not (stopping and c > 128)
                         and (n, c) not in survived), key=lambda item: item[1] >= 0)
         for name, code in ended:
-            if not stopping and crashes.lost(procs[name].pid):
+            if not stopping and name.startswith("joiner-") and crashes.joiner_gone(procs[name].pid):
+                survived.append((name, code))
+                say(f"shardshift: {name} exited with code {code} before it was admitted; the job goes on", "stderr")
+            elif not stopping and crashes.lost(procs[name].pid):
                 survived.append((name, code))
                 say(f"shardshift: {name} exited with code {code}; the others go on without it", "stderr")
             else:
@@ -171,6 +181,18 @@ class _Crashes:
         if not self.pending:
             self.seen, self.first_at = time.time(), time.monotonic()
         self.pending.append(member)
+        return True
+
+    def joiner_gone(self, pid: int) -> bool:
+        """A joiner the coordinator started exited: True, and it is passed over, if it had not been
+        admitted yet (with a place in the queue, that place is marked dead)."""
+        if not self.store.check([f"pid/{pid}"]):
+            self.store.add("join/dead-before-ready", 1)
+            return True
+        index = int(self.store.get(f"pid/{pid}")) - int(self.store.get("config/nproc"))
+        if self.store.check([f"join/admitted/{index}"]):
+            return False  # a member by now: a crash like any other
+        self.store.set(f"join/dead/{index}", "1")
         return True
 
     def publish_if_settled(self) -> None:

@@ -12,9 +12,13 @@ Keys (all small values; the store is never on the training path):
 - ``config/argv``: the training command, JSON; ``config/nproc``: the first world's size. A worker
   started by ``shardshift join`` reads them to run the same job.
 - ``join/ready`` (a counter) and ``join/ready/{i}``: the i-th joiner to be ready (torch imported,
-  data loaded) and its process id; ``join/admitted/{i}``: the epoch that admitted it.
+  data loaded) and its process id; ``join/admitted/{i}``: the epoch that admitted it;
+  ``admit/{epoch}/{step}``: the queue places rank 0 admits after that step (the others read
+  them); ``join/dead/{i}`` and the counter ``join/dead-before-ready``: joiners the coordinator
+  saw die before they were admitted (they are passed over).
 - ``epoch/{e}``: the epoch's `Epoch`, written by the new world's rank 0 before anything moves.
-- ``spawn/started``: joiners the coordinator started for scripted joins.
+- ``spawn/started``: joiners the coordinator started for scripted joins; ``pid/{pid}``: the
+  worker id of a process (the coordinator names a crashed worker by it).
 - ``stop``: the signal the coordinator got (the whole job stops and saves); ``done``: the run
   reached its last step. A joiner still waiting to be admitted exits on either.
 """
@@ -33,6 +37,7 @@ from shardshift.layout import Layout
 
 COORDINATOR_ENV = "SHARDSHIFT_COORDINATOR"  # HOST:PORT of the store, in every worker's environment
 MEMBER_ENV = "SHARDSHIFT_MEMBER"  # a first-world worker's id (its rank there)
+JOB_DIR_ENV = "SHARDSHIFT_JOB_DIR"  # the coordinator's temporary directory (the default logs), if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +110,7 @@ def wait_for_admission(store: dist.Store, index: int, poll_s: float = 0.05) -> E
         time.sleep(poll_s)
 
 
-def announce(store: dist.Store, epoch: Epoch, joiners: range) -> None:
+def announce(store: dist.Store, epoch: Epoch, joiners) -> None:
     """The new world's rank 0: write the epoch, then admit its joiners (they read it next)."""
     store.set(f"epoch/{epoch.number}", epoch.to_json())
     for index in joiners:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -234,7 +235,7 @@ class ElasticWorker:
                         say(f"shardshift: stopped by signal {stop} after step {step}{saved}", "stderr")
                     raise Stopped(stop)
                 if control.leaving or joins:
-                    self._change(control, staying, joins)
+                    self._change(control, step, joins)
             if self.trainer is not None and dist.get_rank() == 0:
                 self.store.set("done", "1")
             return 0
@@ -349,7 +350,7 @@ class ElasticWorker:
         vector = torch.zeros(2 + n, dtype=torch.int64)
         if rank == 0:
             vector[0] = membership.read_int(self.store, "stop")
-            vector[1] = self._joins_now(self._inject(step, "join"))
+            vector[1] = self._joins_now(self._inject(step, "join"), step)
         if self.signals.received:
             vector[2 + rank] = 1
         device = self.trainer.par.device
@@ -359,34 +360,53 @@ class ElasticWorker:
         leaving = tuple(r for r in range(n) if values[2 + r])
         return _Control(values[0], values[1], leaving, self.signals.received_at)
 
-    def _joins_now(self, inject) -> int:
-        """Rank 0: how many joiners to admit at this boundary. With scripted joins, exactly those
-        of this step's event (waiting for them to be ready); else every ready one that fits."""
-        admitted, room = self.epoch.admitted, self.ecfg.max_nproc - self.epoch.world_size
+    def _joins_now(self, inject, step: int) -> int:
+        """Rank 0: how many joiners to admit at this boundary, their queue places written to
+        ``admit/{epoch}/{step}`` for the others. With scripted joins, those of this step's event
+        (waiting while a joiner the coordinator started is still getting ready); else every ready
+        one that fits. A joiner that died before it was admitted is passed over."""
+        room = self.ecfg.max_nproc - self.epoch.world_size
         if any(i.kind == "join" for i in self.ecfg.injects):
-            if inject is None or inject.kind != "join":
+            if inject is None:
                 return 0
             deadline = time.monotonic() + self.timeout_s
-            while membership.ready_joiners(self.store) < admitted + inject.arg:
+            while len(live := self._live_joiners()) < inject.arg and self._joiners_preparing():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the {inject.arg} worker(s) to join after step {inject.step} were not ready "
                                        f"within {self.timeout_s:.0f} s")
                 time.sleep(0.01)
-            return min(inject.arg, room)
-        return max(0, min(membership.ready_joiners(self.store) - admitted, room))
+            chosen = live[: min(inject.arg, room)]
+        else:
+            chosen = self._live_joiners()[: max(0, room)]
+        if chosen:
+            self.store.set(f"admit/{self.epoch.number}/{step}", json.dumps(chosen))
+        return len(chosen)
+
+    def _live_joiners(self) -> list[int]:
+        """Queue places of the joiners ready and not yet admitted, but those that died."""
+        return [i for i in range(self.epoch.admitted, membership.ready_joiners(self.store))
+                if not self.store.check([f"join/dead/{i}"])]
+
+    def _joiners_preparing(self) -> bool:
+        """Whether a joiner the coordinator started is neither ready nor dead yet."""
+        started = membership.read_int(self.store, "spawn/started")
+        gone_before_ready = membership.read_int(self.store, "join/dead-before-ready")
+        return membership.ready_joiners(self.store) + gone_before_ready < started
 
     # ---- changing worlds -------------------------------------------------------------------------
 
-    def _change(self, control: _Control, staying: list[int], joins: int) -> None:
+    def _change(self, control: _Control, step: int, joins: int) -> None:
         decided_at = time.monotonic()
         old, trainer = self.epoch, self.trainer
-        first_joiner = int(self.store.get("config/nproc")) + old.admitted
+        places = json.loads(self.store.get(f"admit/{old.number}/{step}")) if joins else []
+        first = int(self.store.get("config/nproc"))
         leaving = {old.members[r] for r in control.leaving}
+        admitted = max(places) + 1 if places else old.admitted
         change = plan_change(self.cfg, self.ecfg, old.members, trainer.cfg.layout, trainer.par.ranks, leaving,
-                             list(range(first_joiner, first_joiner + joins)), old.number + 1,
-                             "leave" if leaving else "join", trainer.progress.step, old.admitted + joins)
+                             [first + i for i in places], old.number + 1, "leave" if leaving else "join",
+                             trainer.progress.step, admitted)
         if dist.get_rank() == 0:
-            membership.announce(self.store, change.epoch, range(old.admitted, old.admitted + joins))
+            membership.announce(self.store, change.epoch, places)
         detect = decided_at - control.noticed_at if control.noticed_at else 0.0
         self._move(change, decided_at, detect_s=detect)
 
@@ -469,9 +489,14 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, store: dist.Store, timeou
 
 def _finish(worker: ElasticWorker) -> int:
     """Run `worker` to its end; its exit status, as a worker of a fixed job would have it
-    (`train.run.exit_status`)."""
+    (`train.run.exit_status`). A worker whose coordinator died removes the coordinator's
+    temporary directory, which nobody else would."""
+    parent = os.getppid()
     try:
         return exit_status(worker.run)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        job_dir = os.environ.get(membership.JOB_DIR_ENV)
+        if job_dir and os.getppid() != parent:
+            shutil.rmtree(job_dir, ignore_errors=True)

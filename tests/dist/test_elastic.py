@@ -165,6 +165,56 @@ def test_a_signal_to_the_coordinator_stops_every_worker_after_a_save(tmp_path, b
     assert _all_gone(str(tmp_path))
 
 
+def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget):
+    """The coordinator starts two joiners for a scripted join of two; one is SIGKILLed as soon as
+    it exists. The job admits the other after step 4 (2 -> 3 workers), finishes, and computes the
+    fixed run's losses; no process is left."""
+    fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2",
+                            "--max-nproc", "4", "--inject", "4:join=2", "--metrics", str(tmp_path / "elastic.jsonl"),
+                            "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (joiners := _job_pids("shardshift join --coordinator")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert joiners, "no joiner was started"
+        os.kill(min(joiners), signal.SIGKILL)
+        out, err = job.communicate(timeout=budget.left())
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert "exited with code -9 before it was admitted; the job goes on" in err
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [(4, "join", 2, 3)]
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
+    assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
+
+
+def test_a_killed_coordinator_leaves_no_worker_behind(tmp_path, budget):
+    """The coordinator serves the store every worker needs: when it is SIGKILLed, its workers get
+    SIGTERM from the kernel and, with the store gone, cannot go on; they all exit, and remove the
+    coordinator's directory of default logs (checked by the autouse fixture)."""
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN[:-4], "--steps", "100000", "--log-every",
+                            "1", "--elastic", "--nproc", "2", "--inject", "100000:join=1", "--metrics",
+                            str(tmp_path / "run.jsonl"), "--timeout", "30"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("step     3"):
+                break
+        assert len(_job_pids(str(tmp_path))) >= 3  # the coordinator and its two workers
+        job.kill()
+        job.wait(timeout=30)
+        assert _all_gone(str(tmp_path), seconds=60), _job_pids(str(tmp_path))
+        assert _all_gone("shardshift join --coordinator", seconds=30)
+    finally:
+        job.kill()
+
+
 def test_join_without_a_job_there_says_so(budget):
     run = subprocess.run([sys.executable, "-m", "shardshift", "join", "--coordinator", "127.0.0.1:9", "--timeout", "2"],
                          capture_output=True, text=True, timeout=budget.left())
