@@ -67,18 +67,17 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from shardshift.bench.restart import RestartFailed, restart_job
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
-from shardshift.launch import STORE_ENV, dies_with_this_process
+from shardshift.launch import STORE_ENV
 from shardshift.layout import Layout
 from shardshift.reshard.plan import plan_transition
 from shardshift.runtime import run_in_group
@@ -90,9 +89,6 @@ from shardshift.train.state import local
 from shardshift.train.trainer import Trainer
 from shardshift.units import format_size
 
-# Environment a launcher sets for its workers; the restart job must not inherit it, or its
-# `shardshift train` would take itself for a worker of the bench's job.
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDSHIFT_STORE", "MASTER_ADDR", "MASTER_PORT")
 _P2P_TAG = 1 << 20  # above any switch round's tag
 _DIGEST_CHUNK = 16 << 20  # bytes hashed at a time
 
@@ -130,21 +126,6 @@ class SwitchBenchOptions:
             layout.check_world(self.nproc)
         for layout in self.chain[1:]:
             self.cfg.with_layout(layout)  # refuses a layout the model or the batch cannot take
-
-
-class RestartFailed(RuntimeError):
-    """The fresh job did not get through its first step; `reason` is its error line."""
-
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclasses.dataclass(frozen=True)
-class Restart:
-    seconds: float  # spawn -> its rank 0 starts the first step (without the save)
-    step_seconds: float  # that first step
-    job_seconds: float  # spawn -> exit
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
@@ -212,42 +193,6 @@ def _mismatches(a: dict[str, bytes], b: dict[str, bytes]) -> int:
     return len(set(a) ^ set(b)) + sum(a[key] != b[key] for key in set(a) & set(b))
 
 
-def _restart(cfg: TrainConfig, path: Path, step: int, nproc: int, timeout_s: float, work: Path) -> Restart:
-    """Run `shardshift train --resume` under `cfg` for one step, as a fresh job (rank 0 only)."""
-    from shardshift.cli.train import train_argv
-
-    metrics, log = work / "restart-metrics.jsonl", work / "restart-stderr.txt"
-    metrics.unlink(missing_ok=True)
-    resumed = dataclasses.replace(cfg, stop_at=step + 1, resume=str(path), metrics=str(metrics))
-    argv = [sys.executable, "-m", "shardshift", *train_argv(resumed, nproc=nproc, timeout_s=timeout_s)]
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    with open(log, "w") as err:
-        start = time.perf_counter()
-        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True,
-                               preexec_fn=dies_with_this_process())  # a launcher of its own: it dies with this rank
-        watchdog = threading.Timer(timeout_s, job.terminate)  # its launcher then stops its workers
-        watchdog.start()
-        first_line = None
-        try:
-            for line in job.stdout:
-                if first_line is None and line.startswith("step "):
-                    first_line = time.perf_counter() - start
-            code = job.wait()
-        finally:
-            watchdog.cancel()
-        job_seconds = time.perf_counter() - start
-    if code != 0 or first_line is None or not metrics.is_file():
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line and "Traceback" not in line]
-        reason = errors[-1].split("]:")[-1].strip() if errors else f"exit code {code}"
-        tail = "\n".join(lines[-20:])
-        raise RestartFailed(f"the restart job {' '.join(argv[2:])} exited with code {code} without "
-                            f"finishing a step; its last output:\n{tail}", reason)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    step_seconds = next(r["step_time_s"] for r in records if "step_time_s" in r)  # after its resume event
-    return Restart(first_line - step_seconds, step_seconds, job_seconds)
-
-
 def _scratch_parent() -> str | None:
     """Where checkpoints go: the local launcher's temporary directory, which it removes when the
     job ends even if a worker was killed (the `finally` below then never runs); else the system's."""
@@ -290,7 +235,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
     if opts.restart:
         if rank == 0:
             try:
-                restart = _restart(trainer.cfg.with_layout(after), path, trainer.progress.step,
+                restart = restart_job(trainer.cfg.with_layout(after), path, trainer.progress.step,
                                    dist.get_world_size(), 0.9 * opts.timeout_s, root)
             except RestartFailed as err:  # a finding about the baseline: reported, not fatal
                 print(f"shardshift: {before} -> {after}: {err}", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
     shardshift bench train --nproc 4 --layout dp=4          # tokens/s beside plain DDP
     shardshift bench switch --nproc 4 --suite               # online switch vs DCP vs restart vs the limit
+    shardshift bench elastic --nproc 4 --suite              # joins, leaves, crashes vs restarts
     shardshift bench packing                                # tree packings vs their bounds
     shardshift bench collectives --op allreduce --nproc 4   # gloo vs ring vs trees vs auto
 
@@ -32,6 +33,7 @@ def register(subparsers) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     _add_train(benches)
     _add_switch(benches)
+    _add_elastic(benches)
     _add_packing(benches)
     _add_collectives(benches)
 
@@ -176,6 +178,59 @@ def _run_switch(args: argparse.Namespace) -> int:
     from shardshift.bench.switch import run_rank
 
     return _job(args, lambda: _switch_options(args), run_rank)
+
+
+# ---- elastic --------------------------------------------------------------------------------------
+
+# `bench elastic --suite` from 4 workers: leave 4->3, crash 3->2, join 2->3, join 3->4, leave 4->3,
+# crash 3->2 (worlds of 3 run dp=3, so that a crash there has a copy of everything).
+ELASTIC_SUITE = ("1:leave=3", "2:kill=2", "3:join=1", "4:join=1", "5:leave=1", "6:kill=1")
+
+
+def _add_elastic(benches) -> None:
+    p = benches.add_parser("elastic", help="joins, leaves and crashes in the running job vs a restart from DCP")
+    p.add_argument("--nproc", type=int, default=4, help="workers of the first world")
+    p.add_argument("--suite", action="store_true",
+                   help=f"the default events (for 4 workers): {' '.join(ELASTIC_SUITE)}, with --layout-for 3:dp=3")
+    p.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
+                   help="an event after step STEP (repeatable): join=N, leave=RANK, kill=RANK")
+    p.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",
+                   help="the layout of a world of N workers (otherwise fsdp=N, else dp=N)")
+    p.add_argument("--model", default="base", help="model size: test, tiny, small, medium, base")
+    p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
+    p.add_argument("--global-batch", type=int, default=12, help="sequences per step")
+    p.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart column")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"events": [...], ...}')
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
+    p.set_defaults(func=_run_elastic)
+
+
+def _elastic_options(args: argparse.Namespace):
+    from shardshift.bench.elastic import ElasticBenchOptions
+    from shardshift.elastic.config import Inject, parse_layout_for
+    from shardshift.train.config import TrainConfig, model_config
+
+    if args.suite and args.inject:
+        raise ValueError("give either --suite or --inject, not both")
+    if args.suite and args.nproc != 4:
+        raise ValueError(f"the default suite is for 4 workers, not --nproc {args.nproc}; script events with --inject")
+    injects = tuple(Inject.parse(text) for text in (ELASTIC_SUITE if args.suite else args.inject))
+    layouts = tuple(parse_layout_for(text) for text in args.layout_for) or (((3, Layout(dp=3)),) if args.suite else ())
+    first = dict(layouts).get(args.nproc, Layout(fsdp=args.nproc))
+    steps = max((i.step for i in injects), default=0) + 2  # one step after the last event, and the one it redoes
+    cfg = TrainConfig(layout=first, model=model_config(args.model), model_name=args.model, steps=steps,
+                      dtype=args.dtype, global_batch=args.global_batch, log_every=0)
+    return ElasticBenchOptions(cfg=cfg, nproc=args.nproc, injects=injects, layouts=layouts, restart=args.restart,
+                               timeout_s=args.timeout, json=args.json)
+
+
+def _run_elastic(args: argparse.Namespace) -> int:
+    opts, code = _refused(lambda: _elastic_options(args))
+    if opts is None:
+        return code
+    from shardshift.bench.elastic import run_bench
+
+    return run_bench(opts)
 
 
 # ---- packing --------------------------------------------------------------------------------------
