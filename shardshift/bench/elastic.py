@@ -4,9 +4,9 @@ way, side by side in one run.
     shardshift bench elastic --nproc 4 --model base --suite --json
 
 1. **The elastic job.** One `shardshift train --elastic` job runs the scripted events (the default
-   suite, from 4 workers: a leave 4 -> 3, a crash 3 -> 2 recovered from a replica, two joins
-   2 -> 3 -> 4, a leave 4 -> 3, a crash 3 -> 2; worlds of 3 run ``dp=3`` so that a crash there has
-   a copy of everything, worlds of 2 and 4 run FSDP). Its metrics give each event's
+   suite, from 4 workers under HSDP, ``dp=2,fsdp=2``, so that every shard has a replica: a crash
+   4 -> 3, a leave 3 -> 2, joins 2 -> 3 -> 4, a crash 4 -> 3, a join 3 -> 4; worlds of 3 and 2 run
+   FSDP). Its metrics give each event's
    ``pause_seconds`` (from the decision at the step boundary until every worker of the new world
    is ready to step, the slowest worker's), ``detect_seconds``, ``bytes_moved`` and ``steps_lost``.
    It saves a checkpoint after every step (``--save-every 1``) for the baseline; the saves happen
@@ -62,13 +62,7 @@ class ElasticBenchOptions:
         low, high = self.worlds
         if low < 1:
             raise ValueError(f"the events leave {low} workers; the job needs at least one")
-        check_every_world(self.elastic(low, high), self._check)
-
-    def _check(self, layout: Layout) -> None:
-        from shardshift.train.space import check_layout
-
-        check_layout(layout, self.cfg.model)
-        self.cfg.check_batch(layout)
+        check_every_world(self.elastic(low, high), self.cfg.with_layout)
 
     def elastic(self, low: int, high: int) -> ElasticConfig:
         return ElasticConfig(min_nproc=low, max_nproc=high, layouts=self.layouts, injects=self.injects)

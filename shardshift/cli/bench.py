@@ -182,16 +182,19 @@ def _run_switch(args: argparse.Namespace) -> int:
 
 # ---- elastic --------------------------------------------------------------------------------------
 
-# `bench elastic --suite` from 4 workers: leave 4->3, crash 3->2, join 2->3, join 3->4, leave 4->3,
-# crash 3->2 (worlds of 3 run dp=3, so that a crash there has a copy of everything).
-ELASTIC_SUITE = ("1:leave=3", "2:kill=2", "3:join=1", "4:join=1", "5:leave=1", "6:kill=1")
+# `bench elastic --suite` from 4 workers under HSDP (dp=2,fsdp=2: every shard has a replica), worlds
+# of 3 and 2 under FSDP: a crash 4->3 (from the replicas), a leave 3->2, joins 2->3->4, a crash 4->3,
+# a join 3->4.
+ELASTIC_SUITE = ("2:kill=3", "3:leave=2", "4:join=1", "5:join=1", "6:kill=1", "7:join=1")
+ELASTIC_SUITE_LAYOUTS = ((4, Layout(dp=2, fsdp=2)),)
 
 
 def _add_elastic(benches) -> None:
     p = benches.add_parser("elastic", help="joins, leaves and crashes in the running job vs a restart from DCP")
     p.add_argument("--nproc", type=int, default=4, help="workers of the first world")
     p.add_argument("--suite", action="store_true",
-                   help=f"the default events (for 4 workers): {' '.join(ELASTIC_SUITE)}, with --layout-for 3:dp=3")
+                   help=f"the default events (for 4 workers): {' '.join(ELASTIC_SUITE)}, with --layout-for "
+                        f"4:dp=2,fsdp=2")
     p.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
                    help="an event after step STEP (repeatable): join=N, leave=RANK, kill=RANK")
     p.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",
@@ -215,7 +218,7 @@ def _elastic_options(args: argparse.Namespace):
     if args.suite and args.nproc != 4:
         raise ValueError(f"the default suite is for 4 workers, not --nproc {args.nproc}; script events with --inject")
     injects = tuple(Inject.parse(text) for text in (ELASTIC_SUITE if args.suite else args.inject))
-    layouts = tuple(parse_layout_for(text) for text in args.layout_for) or (((3, Layout(dp=3)),) if args.suite else ())
+    layouts = tuple(parse_layout_for(text) for text in args.layout_for) or (ELASTIC_SUITE_LAYOUTS if args.suite else ())
     first = dict(layouts).get(args.nproc, Layout(fsdp=args.nproc))
     steps = max((i.step for i in injects), default=0) + 2  # one step after the last event, and the one it redoes
     cfg = TrainConfig(layout=first, model=model_config(args.model), model_name=args.model, steps=steps,

@@ -43,5 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
     from shardshift.elastic.worker import joiner_main
+    from shardshift.runtime import leave
 
-    return joiner_main(cfg, ecfg, store, args.timeout)
+    del store  # the worker connects its own clients
+    leave(joiner_main(cfg, ecfg, args.coordinator, args.timeout))  # as a rank ends (`runtime.leave` says why)

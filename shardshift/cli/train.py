@@ -68,6 +68,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "to that worker), kill=RANK")
     e.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="where the coordinator serves (default: loopback, a free port)")
+    e.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds without a heartbeat after which the coordinator takes a worker it started for "
+                        "dead, kills it, and the others go on without it (default 5)")
     p.add_argument("--log-dir", default=None,
                    help="where ranks 1.. append their output (rank-N.log); default: a temporary directory, "
                         "removed when the run succeeds")
@@ -213,7 +216,7 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
     joiners = sum(i.arg for i in injects if i.kind == "join")
     ecfg = ElasticConfig(min_nproc=args.min_nproc, max_nproc=args.max_nproc or nproc + joiners,
                          layouts=tuple(parse_layout_for(text) for text in args.layout_for), injects=injects,
-                         coordinator=args.coordinator)
+                         coordinator=args.coordinator, heartbeat_s=args.heartbeat_timeout)
     if not ecfg.min_nproc <= nproc <= ecfg.max_nproc:
         raise ValueError(f"--nproc {nproc} is outside --min-nproc {ecfg.min_nproc} .. --max-nproc {ecfg.max_nproc}")
     return ecfg
@@ -231,7 +234,6 @@ def _elastic_layout(args: argparse.Namespace, nproc: int) -> Layout:
 
 def _elastic_run(args: argparse.Namespace) -> int:
     from shardshift.elastic.config import check_every_world
-    from shardshift.train.space import check_layout
 
     try:
         if not args.timeout > 0:
@@ -243,12 +245,7 @@ def _elastic_run(args: argparse.Namespace) -> int:
         layout.check_world(nproc)
         cfg = config_from_args(args, layout)
         ecfg = elastic_from_args(args, nproc)
-
-        def check(candidate: Layout) -> None:
-            check_layout(candidate, cfg.model)
-            cfg.check_batch(candidate)
-
-        check_every_world(ecfg, check)
+        check_every_world(ecfg, cfg.with_layout)  # it refuses a layout the model or the batch cannot take
         if not in_worker():
             _check_before_launch(cfg, args.log_dir)
     except ValueError as err:
@@ -268,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         return _elastic_run(args)
     given = [flag for flag, value in (("--inject", args.inject), ("--layout-for", args.layout_for),
                                       ("--coordinator", args.coordinator), ("--max-nproc", args.max_nproc),
-                                      ("--min-nproc", args.min_nproc != 1)) if value]
+                                      ("--min-nproc", args.min_nproc != 1),
+                                      ("--heartbeat-timeout", args.heartbeat_timeout != 5.0)) if value]
     if given:
         print(f"shardshift: error: {given[0]} needs --elastic", file=sys.stderr)
         return 2

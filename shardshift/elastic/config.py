@@ -48,8 +48,11 @@ class ElasticConfig:
     layouts: tuple[tuple[int, Layout], ...] = ()  # --layout-for N:LAYOUT
     injects: tuple[Inject, ...] = ()
     coordinator: str | None = None  # HOST:PORT the coordinator serves on (None: loopback, a free port)
+    heartbeat_s: float = 5.0  # a worker silent this long is taken for dead
 
     def __post_init__(self) -> None:
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"--heartbeat-timeout {self.heartbeat_s} must be > 0 seconds")
         if self.min_nproc < 1:
             raise ValueError(f"--min-nproc {self.min_nproc} must be >= 1")
         if self.max_nproc < self.min_nproc:
@@ -67,6 +70,10 @@ class ElasticConfig:
     def joiners_to_start(self) -> int:
         """Workers the coordinator starts for the scripted joins (they prepare while training goes on)."""
         return sum(i.arg for i in self.injects if i.kind == "join")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s / 5
 
     def inject_at(self, step: int) -> Inject | None:
         return next((i for i in self.injects if i.step == step), None)
@@ -89,7 +96,8 @@ def parse_address(text: str) -> tuple[str, int]:
 def layout_for(n: int, ecfg: ElasticConfig, check) -> Layout:
     """The layout of a world of `n` workers: the one `--layout-for` names, else the first of FSDP
     over all of them and plain replication that `check(layout)` accepts (it raises ValueError
-    for a layout the model or batch cannot take). ValueError when none fits."""
+    for a layout the model or batch cannot take: `TrainConfig.with_layout`). ValueError when
+    none fits."""
     named = dict(ecfg.layouts)
     if n in named:
         check(named[n])

@@ -7,6 +7,8 @@ change among themselves, at a step boundary, through one all-reduce and the stor
 processes it started, and how the job ends:
 
 - every worker that exits 0 is done or left on notice;
+- a worker it started whose heartbeat stops for `--heartbeat-timeout` (frozen, or cut off) is
+  killed, and its death is a crash as below;
 - a signal to the coordinator (SIGINT, SIGTERM, SIGHUP) is written to the store (``stop``): the
   workers finish their step, save with ``--save``, and exit; what is left after the drain time is
   killed;
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from shardshift.console import say
 from shardshift.elastic.config import ElasticConfig, parse_address
-from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV
+from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat
 from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -98,7 +100,7 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
                 start(f"joiner-{k}", [*python, "join", "--coordinator", address, "--timeout", repr(timeout_s)], {})
             store.set("spawn/started", str(ecfg.joiners_to_start))
             say(f"coordinator at {address}: add a worker with `shardshift join --coordinator {address}`")
-            status, failed = _watch(procs, store, signals, drain_s)
+            status, failed = _watch(procs, store, signals, drain_s, ecfg.heartbeat_s)
             succeeded = status == 0
             if not succeeded and log_dir is None:
                 logs = Path(shutil.move(logs, tempfile.mkdtemp(prefix="shardshift-logs-")))
@@ -116,8 +118,8 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
             signal.signal(sig, handler)
 
 
-def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[int],
-           drain_s: float) -> tuple[int, tuple[str, int] | None]:
+def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[int], drain_s: float,
+           heartbeat_s: float) -> tuple[int, tuple[str, int] | None]:
     """Wait for the job to end (module docstring): its status, and the worker whose crash ended it
     if one did. A crash of a worker of the current world is reported to the others (`_Crashes`),
     who go on without it if they can."""
@@ -144,6 +146,11 @@ def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[
                 stop(list(procs.values()), GRACE_S)
                 return (code if code > 0 else 128 - code), (name, code)
         crashes.publish_if_settled()
+        if not stopping:
+            for name in crashes.silent(procs, heartbeat_s):
+                say(f"shardshift: {name} sent no heartbeat for {heartbeat_s:g} s; killed it", "stderr")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(procs[name].pid, signal.SIGKILL)  # its exit is then a crash like any other
         if all(code is not None for code in codes.values()):
             if signals:
                 return 128 + signals[0], None
@@ -167,6 +174,7 @@ class _Crashes:
         self.pending: list[int] = []
         self.seen = 0.0  # time.time() of the first pending exit
         self.first_at = 0.0
+        self.checked_at = 0.0  # the last heartbeat check (time.monotonic())
 
     def lost(self, pid: int) -> bool:
         """Note worker process `pid` as crashed; False when it is in no world the job trains in now
@@ -194,6 +202,25 @@ class _Crashes:
             return False  # a member by now: a crash like any other
         self.store.set(f"join/dead/{index}", "1")
         return True
+
+    def silent(self, procs: dict[str, subprocess.Popen], heartbeat_s: float) -> list[str]:
+        """Running workers of the current world whose last heartbeat is older than `heartbeat_s`
+        (checked twice a second at most)."""
+        now = time.monotonic()
+        if now - self.checked_at < 0.5 or not self.store.check(["epoch/current"]):
+            return []
+        self.checked_at = now
+        epoch = int(self.store.get("epoch/current"))
+        members = set(json.loads(self.store.get(f"epoch/{epoch}"))["members"])
+        out = []
+        for name, proc in procs.items():
+            if proc.poll() is not None or not self.store.check([f"pid/{proc.pid}"]):
+                continue
+            member = int(self.store.get(f"pid/{proc.pid}"))
+            beat = last_beat(self.store, member)
+            if member in members and beat is not None and time.time() - beat > heartbeat_s:
+                out.append(name)
+        return out
 
     def publish_if_settled(self) -> None:
         if self.pending and time.monotonic() - self.first_at > self.SETTLE_S:

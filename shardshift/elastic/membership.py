@@ -19,6 +19,7 @@ Keys (all small values; the store is never on the training path):
 - ``epoch/{e}``: the epoch's `Epoch`, written by the new world's rank 0 before anything moves.
 - ``spawn/started``: joiners the coordinator started for scripted joins; ``pid/{pid}``: the
   worker id of a process (the coordinator names a crashed worker by it).
+- ``heartbeat/{member}``: the wall-clock time of the worker's last heartbeat (`start_heartbeat`).
 - ``stop``: the signal the coordinator got (the whole job stops and saves); ``done``: the run
   reached its last step. A joiner still waiting to be admitted exits on either.
 """
@@ -29,6 +30,7 @@ import dataclasses
 import datetime
 import json
 import os
+import threading
 import time
 
 import torch.distributed as dist
@@ -128,3 +130,26 @@ def move_group(store: dist.Store, epoch: Epoch, process: int, processes: int, ti
     (a gloo group built by hand: it needs no default group, so a joiner can be in it)."""
     return dist.ProcessGroupGloo(dist.PrefixStore(f"epoch{epoch.number}/move", store), process, processes,
                                  datetime.timedelta(seconds=timeout_s))
+
+
+def start_heartbeat(address: str, member: int, interval_s: float, timeout_s: float) -> None:
+    """Write ``heartbeat/{member}`` (the wall-clock time) every `interval_s`, from a thread and a
+    store client of its own, for as long as this process lives: a worker frozen or cut off stops
+    beating, and the coordinator notices within its heartbeat timeout."""
+    store = connect(address, timeout_s)
+
+    def beat() -> None:
+        while True:
+            try:
+                store.set(f"heartbeat/{member}", repr(time.time()))
+            except (RuntimeError, OSError):  # the coordinator is gone: so is the job
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=beat, name=f"shardshift-heartbeat-{member}", daemon=True).start()
+
+
+def last_beat(store: dist.Store, member: int) -> float | None:
+    """When worker `member` last beat (wall clock), or None if it never did."""
+    key = f"heartbeat/{member}"
+    return float(store.get(key)) if store.check([key]) else None

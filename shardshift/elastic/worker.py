@@ -61,9 +61,9 @@ from shardshift.train import checkpoint
 from shardshift.train.catalog import checkpoints
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
-from shardshift.train.parallelize import build_parallel
+from shardshift.train.parallelize import build_parallel, forget_old_meshes
 from shardshift.train.run import Metrics, RunFailed, Signals, Stopped, exit_status, report_step, resume_point
-from shardshift.train.space import GPTSpace, check_layout
+from shardshift.train.space import GPTSpace
 from shardshift.train.state import LostState
 from shardshift.train.switch import switch_world
 from shardshift.train.trainer import Diverged, StepAborted, Trainer
@@ -92,7 +92,7 @@ class _Change:
     """A change of world, as every worker of the old and the new world computes it."""
 
     epoch: Epoch  # the new world
-    union: tuple[int, ...]  # worker ids: the old world's in rank order, then the joiners
+    union: tuple[int, ...]  # worker ids: the old world's that live in rank order, the joiners, the lost
     plan: TransitionPlan  # over the union's processes (indices into `union`)
     old_layout: Layout
     cfg: TrainConfig  # the run's configuration under the new layout
@@ -106,13 +106,6 @@ class _Change:
 
 def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _check_layout(cfg: TrainConfig):
-    def check(layout: Layout) -> None:
-        check_layout(layout, cfg.model)
-        cfg.check_batch(layout)
-    return check
 
 
 def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
@@ -130,7 +123,7 @@ def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, .
         tuple(m for m in old_members if m in lost)
     where = {m: u for u, m in enumerate(union)}
     members = [u for u, m in enumerate(union) if m not in leaving and m not in lost]
-    layout = layout_for(len(members), ecfg, _check_layout(cfg))
+    layout = layout_for(len(members), ecfg, cfg.with_layout)
     new_cfg = cfg.with_layout(layout)
     space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
     old = Assignment(old_layout, tuple(where[old_members[r]] for r in old_ranks), len(union))
@@ -177,12 +170,14 @@ class ElasticWorker:
                 f"on {proc.world_size} {self.device_type} workers ({self.ecfg.min_nproc}..{self.ecfg.max_nproc}), "
                 f"{cfg.dtype}")
 
-    def join(self) -> bool:
+    def join(self, registered=lambda member: None) -> bool:
         """Say this worker is ready, wait to be admitted, then move into that world; False if the
-        job stopped or ended first. Its id follows the first world's: its place in the queue."""
+        job stopped or ended first. Its id follows the first world's: its place in the queue;
+        `registered(id)` is called once it has one."""
         index = membership.register_joiner(self.store)
         self.member = int(self.store.get("config/nproc")) + index
         self.store.set(f"pid/{os.getpid()}", str(self.member))
+        registered(self.member)
         ready_at = time.monotonic()
         epoch = membership.wait_for_admission(self.store, index)
         if epoch is None:
@@ -312,7 +307,7 @@ class ElasticWorker:
         if not newest:
             raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}; "
                             "there is no checkpoint either (give --save)", None)
-        layout = layout_for(len(survivors), self.ecfg, _check_layout(cfg))
+        layout = layout_for(len(survivors), self.ecfg, cfg.with_layout)
         new_cfg = cfg.with_layout(layout)
         step_before = trainer.progress.step
         next_epoch = Epoch(epoch.number + 1, tuple(survivors), layout, step_before, "crash", epoch.admitted,
@@ -323,6 +318,7 @@ class ElasticWorker:
         if self.metrics is not None:
             self.metrics.close()
         dist.destroy_process_group()
+        forget_old_meshes()
         rank = survivors.index(self.member)
         if rank == 0:
             membership.announce(self.store, next_epoch, range(0))
@@ -423,6 +419,7 @@ class ElasticWorker:
                 self.metrics.close()
                 self.metrics = None
             dist.destroy_process_group()
+            forget_old_meshes()
         new_par, rank = None, None
         if process in change.plan.new.ranks:
             rank = change.plan.new.ranks.index(process)
@@ -472,16 +469,20 @@ def _worst(group, values: list[float]) -> list[float]:
 
 def member_main(cfg: TrainConfig, ecfg: ElasticConfig, timeout_s: float) -> int:
     """A worker the coordinator started in the first world."""
-    store = membership.connect(os.environ[membership.COORDINATOR_ENV], timeout_s)
+    address = os.environ[membership.COORDINATOR_ENV]
+    store = membership.connect(address, timeout_s)
     worker = ElasticWorker(cfg, ecfg, store, int(os.environ[membership.MEMBER_ENV]), timeout_s)
+    membership.start_heartbeat(address, worker.member, ecfg.heartbeat_interval_s, timeout_s)
     worker.start_first_world()
     return _finish(worker)
 
 
-def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, store: dist.Store, timeout_s: float) -> int:
-    """A worker that joins a running job (`shardshift join`)."""
+def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: float) -> int:
+    """A worker that joins the running job whose coordinator is at `address` (`shardshift join`)."""
+    store = membership.connect(address, timeout_s)
     worker = ElasticWorker(cfg, ecfg, store, -1, timeout_s)  # its id comes with its place in the queue
-    if not worker.join():
+    if not worker.join(lambda member: membership.start_heartbeat(address, member, ecfg.heartbeat_interval_s,
+                                                                 timeout_s)):
         say("shardshift: the job stopped or ended before this worker was admitted", "stderr")
         return 0
     return _finish(worker)

@@ -96,6 +96,23 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks)
 
 
+def forget_old_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, after this process left a world's groups.
+
+    They are keyed by meshes compared by value (device type, ranks, axis names) and hold the mesh
+    objects they were computed with. In a new world whose mesh equals an earlier world's, a cached
+    decision would hand out the earlier mesh, and with it this process's coordinate in that world:
+    DTensors made by later ops then claim the wrong shard (DCP then saw two ranks at one offset).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
+
+
 def build_stage_model(cfg: ModelConfig, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
     """This rank's part of the model, parallelized, with its local shards initialised."""
     model = build_stage_skeleton(cfg, par, dtype)

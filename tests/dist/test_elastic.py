@@ -89,6 +89,25 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     assert torch.equal(elastic["progress:train"], reference["progress:train"])
 
 
+def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, budget):
+    """fsdp=3, a leave (fsdp=2), a join (fsdp=3 again, with a fresh worker at another coordinate),
+    saving after every step. DTensor caches sharding decisions by mesh value; a stale one gave the
+    second fsdp=3 world the first one's coordinates, and DCP refused the save. The last checkpoint
+    equals the fixed fsdp=3 run's."""
+    fixed = _train(tmp_path, "--nproc", "3", "--layout", "fsdp=3", "--save", str(tmp_path / "fixed"),
+                   "--log-dir", str(tmp_path / "fixed-logs"), timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = _train(tmp_path, "--elastic", "--nproc", "3", "--max-nproc", "3", "--inject", "3:leave=2",
+                 "--inject", "4:join=1", "--save", str(tmp_path / "elastic"), "--save-every", "1",
+                 "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert [p.name for p in checkpoints(tmp_path / "elastic")][0] == f"step-{STEPS:08d}"
+    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(tmp_path / "fixed")
+    for key in (k for k in reference if k.startswith(("param:", "exp_avg"))):
+        torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
+    assert _all_gone(str(tmp_path))
+
+
 def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget):
     """dp=2,fsdp=2: rank 1's shards are also on rank 3. Rank 1 is SIGKILLed inside step 3; the
     three survivors go on under fsdp=3, rank 1's pieces sent by rank 3, step 3 run again."""
@@ -213,6 +232,50 @@ def test_a_killed_coordinator_leaves_no_worker_behind(tmp_path, budget):
         assert _all_gone("shardshift join --coordinator", seconds=30)
     finally:
         job.kill()
+
+
+def test_a_frozen_worker_is_found_by_its_missing_heartbeat_and_the_job_goes_on(tmp_path, budget):
+    """SIGSTOP freezes worker 1 of a dp=2 job (its connections stay open: gloo alone would wait for
+    the collective timeout). Its heartbeat stops; after --heartbeat-timeout the coordinator kills
+    it, and worker 0 goes on alone from its replica, losing no step."""
+    fixed = _train(tmp_path, "--nproc", "1", "--steps", "30", "--metrics", str(tmp_path / "fixed.jsonl"),
+                   timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--steps", "30", "--elastic",
+                            "--nproc", "2", "--layout", "dp=2", "--heartbeat-timeout", "2", "--timeout", "120",
+                            "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("step     2"):
+                break
+        frozen = [pid for pid in _job_pids(str(tmp_path / "logs")) if _member(pid) == 1]
+        assert len(frozen) == 1
+        os.kill(frozen[0], signal.SIGSTOP)
+        out, err = job.communicate(timeout=budget.left())
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert "worker-1 sent no heartbeat for 2 s; killed it" in err
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["kind"], e["from_world"], e["to_world"], e["steps_lost"], e["recovered_from"]) for e in events] == [
+        ("crash", 2, 1, 0, "replica")]
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    assert sorted(got) == list(range(1, 31))
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
+    assert _all_gone(str(tmp_path))
+
+
+def _member(pid: int) -> int | None:
+    """The SHARDSHIFT_MEMBER of process `pid`'s environment (None if it has none)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    value = env.get(b"SHARDSHIFT_MEMBER")
+    return None if value is None else int(value)
 
 
 def test_join_without_a_job_there_says_so(budget):

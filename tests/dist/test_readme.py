@@ -32,6 +32,7 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift bench train --nproc 4 --layout dp=4": [*TINY, "--steps", "1", "--rounds", "1", "--warmup", "1",
                                                      "--also", "fsdp=2,tp=2", "--json"],
     "shardshift bench switch --nproc 4 --suite": "dist/test_bench_switch.py::test_small_chain_reports_every_column",
+    "shardshift bench elastic --nproc 4 --suite": "dist/test_bench_elastic.py::test_the_suite_reports_every_event_beside_its_restart",
     "shardshift bench packing": "unit/test_packing.py::test_bench_packing_runs_small",
     "shardshift bench collectives --op allreduce --sizes 1M:64M --nproc 4":
         "dist/test_bench_collectives.py::test_small_run_reports_every_impl_without_wrong_elements",

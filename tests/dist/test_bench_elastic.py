@@ -1,0 +1,42 @@
+"""`shardshift bench elastic`: bad input is refused before anything starts; the default suite runs end
+to end on the test model. No timing is asserted: every event and column must be there, no step
+lost, and every restart must have run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support import REPO
+
+
+def test_bad_input_exits_2_before_anything_starts(budget):
+    for args, needle in [
+        (["--nproc", "3", "--suite"], "the default suite is for 4 workers"),
+        (["--nproc", "2"], "no events: give --suite or --inject"),
+        (["--nproc", "2", "--inject", "1:leave=1", "--inject", "2:leave=0"], "the events leave 0 workers"),
+        (["--suite", "--inject", "1:leave=1"], "either --suite or --inject"),
+    ]:
+        run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", *args, "--model", "test"],
+                             capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+        assert run.returncode == 2 and needle in run.stderr, (args, run.stderr)
+
+
+def test_the_suite_reports_every_event_beside_its_restart(budget):
+    run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--suite", "--model", "test",
+                          "--global-batch", "6", "--json", "--timeout", "120"],
+                         capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    events = out["events"]
+    assert [(e["kind"], e["from_world"], e["to_world"], e["from"], e["to"], e["recovered_from"]) for e in events] == [
+        ("crash", 4, 3, "dp=2,fsdp=2", "fsdp=3", "replica"), ("leave", 3, 2, "fsdp=3", "fsdp=2", "none"),
+        ("join", 2, 3, "fsdp=2", "fsdp=3", "none"), ("join", 3, 4, "fsdp=3", "dp=2,fsdp=2", "none"),
+        ("crash", 4, 3, "dp=2,fsdp=2", "fsdp=3", "replica"), ("join", 3, 4, "fsdp=3", "dp=2,fsdp=2", "none")]
+    assert all(e["bytes_moved"] > 0 for e in events)
+    for e in events:
+        assert e["steps_lost"] == 0 and e["pause_seconds"] > 0 and e["restart_error"] is None, e
+        assert e["restart_seconds"] > 0 and e["restart_over_pause"] == e["restart_seconds"] / e["pause_seconds"]
+    assert set(out["geomean_restart_over_pause"]) == {"join_leave", "crash"}
+    assert out["redundancy_overhead"] is None
