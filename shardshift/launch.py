@@ -155,7 +155,9 @@ def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None,
                 stop(procs, grace_s)
                 return Outcome(codes, None, False, True)
         else:
-            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            # A rank killed by a signal is named first: its peers fail after it, their collectives broken.
+            errors = [(code >= 0, rank) for rank, code in enumerate(codes) if code not in (None, 0)]
+            failed = min(errors)[1] if errors else None
             timed_out = deadline is not None and time.monotonic() > deadline and None in codes
             if failed is not None or timed_out or None not in codes:
                 if None in codes:

@@ -77,7 +77,7 @@ class ElasticBenchOptions:
         return low, high
 
 
-def run_bench(opts: ElasticBenchOptions) -> int:
+def run_elastic_bench(opts: ElasticBenchOptions) -> int:
     """Run the elastic job, then the restarts; print the report. The exit status: 0, or 1 when the
     elastic job failed."""
     from shardshift.cli.train import train_argv

@@ -231,9 +231,9 @@ def _run_elastic(args: argparse.Namespace) -> int:
     opts, code = _refused(lambda: _elastic_options(args))
     if opts is None:
         return code
-    from shardshift.bench.elastic import run_bench
+    from shardshift.bench.elastic import run_elastic_bench
 
-    return run_bench(opts)
+    return run_elastic_bench(opts)
 
 
 # ---- packing --------------------------------------------------------------------------------------

@@ -202,3 +202,17 @@ def test_a_rank_leaves_with_its_status_and_output_but_without_the_teardown(tmp_p
     alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert alone.returncode == 0 and marker.exists(), alone.stderr  # not a rank: an ordinary exit
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_peers_that_failed_after_it():
+    """When a rank is killed and its peer then fails on the broken connection, both may have
+    exited by the time the launcher looks: the killed one is the cause, and is named."""
+    from shardshift.launch import supervise
+
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    failing.wait(timeout=30)
+    killed.wait(timeout=30)
+    outcome = supervise([failing, killed], timeout_s=30)
+    assert outcome.failed == 1 and outcome.codes == (1, -signal.SIGKILL)
