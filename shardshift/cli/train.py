@@ -71,6 +71,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat after which the coordinator takes a worker it started for "
                         "dead, kills it, and the others go on without it (default 5)")
+    e.add_argument("--redundancy", type=int, default=0, metavar="K",
+                   help="keep every piece of the training state on K + 1 workers, in memory and current at every "
+                        "step, so that K workers may crash at once and lose nothing (default 0: replicas only)")
     p.add_argument("--log-dir", default=None,
                    help="where ranks 1.. append their output (rank-N.log); default: a temporary directory, "
                         "removed when the run succeeds")
@@ -216,7 +219,8 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
     joiners = sum(i.arg for i in injects if i.kind == "join")
     ecfg = ElasticConfig(min_nproc=args.min_nproc, max_nproc=args.max_nproc or nproc + joiners,
                          layouts=tuple(parse_layout_for(text) for text in args.layout_for), injects=injects,
-                         coordinator=args.coordinator, heartbeat_s=args.heartbeat_timeout)
+                         coordinator=args.coordinator, heartbeat_s=args.heartbeat_timeout,
+                         redundancy=args.redundancy)
     if not ecfg.min_nproc <= nproc <= ecfg.max_nproc:
         raise ValueError(f"--nproc {nproc} is outside --min-nproc {ecfg.min_nproc} .. --max-nproc {ecfg.max_nproc}")
     return ecfg
@@ -266,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
     given = [flag for flag, value in (("--inject", args.inject), ("--layout-for", args.layout_for),
                                       ("--coordinator", args.coordinator), ("--max-nproc", args.max_nproc),
                                       ("--min-nproc", args.min_nproc != 1),
-                                      ("--heartbeat-timeout", args.heartbeat_timeout != 5.0)) if value]
+                                      ("--heartbeat-timeout", args.heartbeat_timeout != 5.0),
+                                      ("--redundancy", args.redundancy)) if value]
     if given:
         print(f"shardshift: error: {given[0]} needs --elastic", file=sys.stderr)
         return 2

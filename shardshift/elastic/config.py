@@ -49,8 +49,14 @@ class ElasticConfig:
     injects: tuple[Inject, ...] = ()
     coordinator: str | None = None  # HOST:PORT the coordinator serves on (None: loopback, a free port)
     heartbeat_s: float = 5.0  # a worker silent this long is taken for dead
+    redundancy: int = 0  # --redundancy K: every piece of the state kept by K + 1 workers
 
     def __post_init__(self) -> None:
+        if self.redundancy < 0:
+            raise ValueError(f"--redundancy {self.redundancy} must be >= 0 (the copies kept of each piece)")
+        if self.redundancy >= self.max_nproc:
+            raise ValueError(f"--redundancy {self.redundancy} needs more than {self.redundancy} workers: raise "
+                             f"--max-nproc ({self.max_nproc}) or lower --redundancy")
         if not self.heartbeat_s > 0:
             raise ValueError(f"--heartbeat-timeout {self.heartbeat_s} must be > 0 seconds")
         if self.min_nproc < 1:

@@ -54,6 +54,7 @@ from shardshift.console import say
 from shardshift.elastic import membership
 from shardshift.elastic.config import ElasticConfig, layout_for
 from shardshift.elastic.membership import Epoch
+from shardshift.elastic.redundancy import Copies, Duty, copy_duties, plan_copies
 from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
 from shardshift.runtime import process_from_env
@@ -110,13 +111,14 @@ def _backend() -> str:
 
 def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
                 old_ranks: tuple[int, ...], leaving: set[int], joiners: list[int], number: int, kind: str, step: int,
-                admitted: int, lost: frozenset[int] = frozenset()) -> _Change:
+                admitted: int, lost: frozenset[int] = frozenset(), copies: tuple[Duty, ...] = ()) -> _Change:
     """The next world and the plan that moves the state into it. Pure, and the same on every
     worker of the old and the new world: its inputs are in the epoch's record (`Epoch`).
 
     `old_members`: worker ids in the old world's rank order; `old_ranks`: the old world's rank at
     each coordinate of `old_layout`; `leaving`: worker ids that go on notice; `joiners`: ids that
-    come; `lost`: ids that crashed (their pieces come from copies; ValueError if one has none).
+    come; `lost`: ids that crashed (their pieces come from replicas, or from the `copies` the old
+    world kept (`--redundancy`, by old rank); ValueError if one has none).
     The plan's processes are the workers that stay (old rank order), the joiners, then the lost,
     so that the move group's ranks are the plan's first processes."""
     union = tuple(m for m in old_members if m not in lost) + tuple(sorted(joiners)) + \
@@ -127,7 +129,8 @@ def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, .
     new_cfg = cfg.with_layout(layout)
     space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
     old = Assignment(old_layout, tuple(where[old_members[r]] for r in old_ranks), len(union))
-    plan = plan_transition(space, old, layout, members=members, lost=[where[m] for m in lost])
+    plan = plan_transition(space, old, layout, members=members, lost=[where[m] for m in lost],
+                           copies=plan_copies(space, copies, lambda rank: where[old_members[rank]]))
     epoch = Epoch(number, tuple(union[u] for u in plan.new.ranks), layout, step, kind, admitted,
                   previous=tuple(old_members), previous_layout=old_layout, previous_ranks=tuple(old_ranks))
     return _Change(epoch, union, plan, old_layout, new_cfg, len(lost))
@@ -144,6 +147,7 @@ class ElasticWorker:
         self.epoch: Epoch | None = None
         self.metrics: Metrics | None = None
         self.signals = Signals()
+        self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
 
     # ---- starting ------------------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class ElasticWorker:
             self.metrics.write({"event": "resume", "step": self.trainer.progress.step, "checkpoint": str(resume),
                                 "layout": str(cfg.layout)})
         self.epoch = dataclasses.replace(epoch, step=self.trainer.progress.step)
+        self._keep_copies(proc.rank)
         self.store.set(f"pid/{os.getpid()}", str(self.member))  # the coordinator names a crashed worker by it
         if proc.rank == 0:
             self.store.set("epoch/0", self.epoch.to_json())
@@ -201,6 +206,8 @@ class ElasticWorker:
                 rank = dist.get_rank()
                 try:
                     result = trainer.train_step(commit=self._commit)
+                    if self.copies is not None:
+                        self.copies.step()
                     if rank == 0:
                         report_step(trainer.cfg, result, self.metrics)
                     control = self._control(trainer.progress.step, rank)
@@ -247,6 +254,8 @@ class ElasticWorker:
         inject = self._inject(step, "kill")
         if inject is not None and inject.arg == dist.get_rank():
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.copies is not None:
+            self.copies.send_gradients()  # a worker lost meanwhile breaks it: the step is not voted
         epoch, key = self.epoch, f"commit/{self.epoch.number}/{step}"
         if self.store.add(key, 1) == epoch.world_size:
             self.store.set(f"{key}/all", "1")
@@ -288,15 +297,17 @@ class ElasticWorker:
         if len(survivors) < self.ecfg.min_nproc:
             raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step}, leaving "
                             f"{len(survivors)}, fewer than --min-nproc {self.ecfg.min_nproc}", self.cfg.save)
+        duties = self.copies.duties if self.copies is not None else ()
         try:
             change = plan_change(self.cfg, self.ecfg, epoch.members, trainer.cfg.layout, trainer.par.ranks, set(), [],
-                                 epoch.number + 1, "crash", trainer.progress.step, epoch.admitted, lost)
+                                 epoch.number + 1, "crash", trainer.progress.step, epoch.admitted, lost, duties)
         except ValueError as no_copy:
             self._restart_from_checkpoint(survivors, lost, no_copy, noticed, detect)
             return
         if dist.get_rank() == min(epoch.members.index(m) for m in survivors):
             membership.announce(self.store, change.epoch, range(0))
-        self._move(change, noticed, detect_s=detect, recovered_from="replica")
+        used_copies = any(seg.copy_of is not None for seg in change.plan.segments)
+        self._move(change, noticed, detect_s=detect, recovered_from="redundancy" if used_copies else "replica")
 
     def _restart_from_checkpoint(self, survivors: list[int], lost: frozenset[int], why: ValueError, noticed: float,
                                  detect: float) -> None:
@@ -305,7 +316,9 @@ class ElasticWorker:
         trainer, epoch, cfg = self.trainer, self.epoch, self.cfg
         newest = checkpoints(Path(cfg.save)) if cfg.save else []
         if not newest:
-            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}; "
+            beyond = (f" (more workers failed at once than --redundancy {self.ecfg.redundancy} covers)"
+                      if self.ecfg.redundancy else "")
+            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}{beyond}; "
                             "there is no checkpoint either (give --save)", None)
         layout = layout_for(len(survivors), self.ecfg, cfg.with_layout)
         new_cfg = cfg.with_layout(layout)
@@ -314,7 +327,7 @@ class ElasticWorker:
                            previous=epoch.members, previous_layout=trainer.cfg.layout,
                            previous_ranks=tuple(trainer.par.ranks))
         trainer.release_runtime()
-        self.trainer = trainer = None
+        self.trainer = trainer = self.copies = None
         if self.metrics is not None:
             self.metrics.close()
         dist.destroy_process_group()
@@ -327,6 +340,7 @@ class ElasticWorker:
         self.trainer = Trainer(new_cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
         checkpoint.load(self.trainer, newest[0])
         self.epoch = dataclasses.replace(next_epoch, step=self.trainer.progress.step)
+        self._keep_copies(rank)
         pause = _worst(dist.group.WORLD, [time.monotonic() - noticed, detect])
         self._opened(rank, {"kind": "crash", "from_world": epoch.world_size, "to_world": len(survivors),
                             "from": str(next_epoch.previous_layout), "to": str(layout), "detect_seconds": pause[1],
@@ -410,7 +424,10 @@ class ElasticWorker:
         """Move this worker's state (if any) into the new world (if it is in it)."""
         process = change.union.index(self.member)
         group = membership.move_group(self.store, change.epoch, process, change.movers, self.timeout_s)
-        old_state = None
+        old_state, copies = None, None
+        if self.copies is not None:
+            kept, previous = self.copies, change.epoch.previous
+            copies = lambda of, key: kept.piece(previous.index(change.union[of]), key)  # noqa: E731
         if self.trainer is not None:
             old_state = self.trainer.state
             self.trainer.release_runtime()
@@ -426,15 +443,17 @@ class ElasticWorker:
             membership.init_world(self.store, change.epoch, rank, self.timeout_s, _backend())
             new_par = build_parallel(change.epoch.layout, rank, self.device_type)
         state, stats = switch_world(old_state, change.plan, process, change.cfg, new_par, group, self.timeout_s,
-                                    self.cfg.switch_budget)
-        del old_state
+                                    self.cfg.switch_budget, copies)
+        del old_state, copies
+        self.copies = None
+        self.epoch = change.epoch
         if state is not None:
             self.cfg = change.cfg
             self.trainer = Trainer(change.cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s,
                                    state=state)
+            self._keep_copies(rank)
         worst = _worst(group, [time.monotonic() - started_at, detect_s])  # also: nobody leaves before all arrived
         del group
-        self.epoch = change.epoch
         if state is None:
             say(f"shardshift: worker {self.member} left after step {change.epoch.step}, its state moved to the "
                 f"{change.epoch.world_size} remaining", "stderr")
@@ -443,6 +462,16 @@ class ElasticWorker:
                             "to_world": change.epoch.world_size, "from": str(change.old_layout),
                             "to": str(change.epoch.layout), "detect_seconds": worst[1], "pause_seconds": worst[0],
                             "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from})
+
+    def _keep_copies(self, rank: int) -> None:
+        """With --redundancy: decide the copies of this world and fill them (a collective)."""
+        if not self.ecfg.redundancy:
+            return
+        trainer = self.trainer
+        space = GPTSpace(trainer.cfg.model, trainer.cfg.param_dtype)
+        duties = copy_duties(space, trainer.assignment, self.ecfg.redundancy)
+        self.copies = Copies(trainer.state, space, trainer.assignment, duties, rank, dist.group.WORLD, self.timeout_s)
+        self.copies.fill()
 
     def _opened(self, rank: int, event: dict) -> None:
         """A new world is ready to train: its rank 0 records the change and says it in one line."""

@@ -2,8 +2,9 @@
 
 The executor knows the state only through two small interfaces, so it serves any state space:
 
-- a `Source` hands out this process's old local piece of a tensor (``shape == old box sizes``) and
-  releases it when the schedule no longer needs it;
+- a `Source` hands out this process's old local piece of a tensor (``shape == old box sizes``), or
+  the copy it keeps of a lost process's piece (`plan.Segment.copy_of`), and releases its own piece
+  when the schedule no longer needs it;
 - a `Sink` allocates the new local piece (``shape == new box sizes``) when the schedule first
   writes it.
 
@@ -36,7 +37,7 @@ from shardshift.reshard.schedule import Message, SwitchSchedule
 
 
 class Source(Protocol):
-    def local(self, tensor: int) -> torch.Tensor: ...
+    def local(self, tensor: int, copy_of: int | None = None) -> torch.Tensor: ...
 
     def release(self, tensor: int) -> None: ...
 
@@ -54,6 +55,7 @@ class Part:
 
     tensor: int
     where: Slices  # in this process's old piece (sending) or new piece (receiving)
+    copy_of: int | None  # sending from the copy of that lost process's piece
     offset: int  # bytes into a packed message
     nbytes: int
     dtype: torch.dtype
@@ -75,6 +77,7 @@ class Copy:
     tensor: int
     new: Slices
     old: Slices
+    copy_of: int | None = None  # from the copy this process keeps of that lost process's piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +113,11 @@ def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
         rounds.append(RoundWork(
             opens=tuple((t, plan.piece_bytes(plan.new_boxes, rank, t), plan.new_boxes[rank][t].sizes)
                         for t in opens.get(index, ())),
-            sends=tuple(_transfer(plan, m, m.dst, plan.old_boxes[rank]) for m in sends),
-            recvs=tuple(_transfer(plan, m, m.src, plan.new_boxes[rank]) for m in recvs),
+            sends=tuple(_transfer(plan, m, m.dst, plan.source_box, sending=True) for m in sends),
+            recvs=tuple(_transfer(plan, m, m.src, lambda seg: plan.new_boxes[rank][seg.tensor]) for m in recvs),
             copies=tuple(
                 Copy(seg.tensor, seg.box.relative_to(plan.new_boxes[rank][seg.tensor]),
-                     seg.box.relative_to(plan.old_boxes[rank][seg.tensor]))
+                     seg.box.relative_to(plan.source_box(seg)), seg.copy_of)
                 for seg in local
             ),
             closes=tuple((t, plan.piece_bytes(plan.old_boxes, rank, t)) for t in closes.get(index, ())),
@@ -131,11 +134,12 @@ def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
     )
 
 
-def _transfer(plan: TransitionPlan, message: Message, peer: int, boxes) -> MessageEnd:
+def _transfer(plan: TransitionPlan, message: Message, peer: int, box_of, sending: bool = False) -> MessageEnd:
+    """`message` as the end at `peer`'s partner sees it; `box_of(segment)`: the local piece's box."""
     parts = []
     for seg, offset in zip(message.segments, message.offsets):
         tensor = plan.tensors[seg.tensor]
-        parts.append(Part(seg.tensor, seg.box.relative_to(boxes[seg.tensor]), offset,
+        parts.append(Part(seg.tensor, seg.box.relative_to(box_of(seg)), seg.copy_of if sending else None, offset,
                           plan.segment_bytes(seg), tensor.dtype, seg.box.sizes))
     return MessageEnd(peer, message.nbytes, message.direct, tuple(parts))
 
@@ -189,7 +193,7 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         )
         for c in step.copies:  # overlaps the messages in flight
             target = new_local[c.tensor][c.new]
-            target.copy_(source.local(c.tensor)[c.old])
+            target.copy_(source.local(c.tensor, c.copy_of)[c.old])
             copied += target.numel() * target.element_size()
         posted.wait(deadline)
         for message, (buf, fresh) in zip(step.recvs, inbox):
@@ -226,13 +230,13 @@ def _outgoing(message: MessageEnd, source: Source, device: torch.device) -> tupl
     """What to send for `message`, and whether it is a new buffer (else a view of the old piece)."""
     if message.direct:
         part = message.parts[0]
-        view = source.local(part.tensor)[part.where]
+        view = source.local(part.tensor, part.copy_of)[part.where]
         if view.is_contiguous() and view.device == device:
             return view, False
         return view.to(device, copy=True, memory_format=torch.contiguous_format), True
     buf = torch.empty(message.nbytes, dtype=torch.uint8, device=device)
     for part in message.parts:
-        _packed_view(buf, part).copy_(source.local(part.tensor)[part.where])
+        _packed_view(buf, part).copy_(source.local(part.tensor, part.copy_of)[part.where])
     return buf, True
 
 

@@ -32,6 +32,7 @@ from shardshift.layout import Coord, Layout
 from shardshift.reshard.space import Box, LogicalTensor, StateSpace, holding
 
 Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
+PieceCopies = tuple[tuple[int, int, int], ...]  # (holder, of, tensor): `holder` keeps a copy of `of`'s old piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +82,14 @@ class Assignment:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Copy `box` of tensor `tensor` from process `src`'s old piece into process `dst`'s new piece."""
+    """Copy `box` of tensor `tensor` from process `src`'s old piece into process `dst`'s new piece
+    (or, with `copy_of`, from the copy `src` keeps of that lost process's old piece)."""
 
     tensor: int  # index into the plan's tensors
     src: int
     dst: int
     box: Box
+    copy_of: int | None = None  # the lost process whose piece `src` keeps a copy of
 
     @property
     def local(self) -> bool:
@@ -189,9 +192,17 @@ class TransitionPlan:
     old_boxes: Holdings
     new_boxes: Holdings
     segments: tuple[Segment, ...]  # grouped by tensor, in tensor order
+    copies: PieceCopies = ()  # the copies of lost processes' pieces that survivors keep
+    copied: dict[tuple[int, int], Box] = dataclasses.field(default_factory=dict)  # (of, tensor): the copied box
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def source_box(self, seg: Segment) -> Box:
+        """The old box `seg` is read from: its source's piece, or the copy it keeps."""
+        if seg.copy_of is None:
+            return self.old_boxes[seg.src][seg.tensor]
+        return self.copied[(seg.copy_of, seg.tensor)]
 
     @property
     def world_size(self) -> int:
@@ -215,10 +226,14 @@ class TransitionPlan:
 
     @property
     def bytes_lower_bound(self) -> int:
-        """Bytes that must move for this assignment: what each process needs and does not hold."""
-        return self.bytes_total - sum(
-            _kept_bytes(self.tensors, self.old_boxes[r], self.new_boxes[r]) for r in range(self.world_size)
-        )
+        """Bytes that must move for this assignment: what each process needs and holds neither
+        itself nor as a copy of a lost process's piece."""
+        kept = sum(_kept_bytes(self.tensors, self.old_boxes[r], self.new_boxes[r]) for r in range(self.world_size))
+        for holder, of, tensor in self.copies:  # distinct from the holder's own box, so disjoint from it
+            box, need = self.copied[(of, tensor)], self.new_boxes[holder][tensor]
+            if need is not None and box != self.old_boxes[holder][tensor]:
+                kept += self.tensors[tensor].itemsize * box.intersect(need).numel
+        return self.bytes_total - kept
 
     def piece_bytes(self, boxes: Holdings, rank: int, tensor: int) -> int:
         """Bytes of the piece of `tensor` that `rank` holds in `boxes` (0 for none)."""
@@ -234,9 +249,11 @@ class TransitionPlan:
     def validate(self) -> None:
         """Every element of every new box is covered once, from inside the source's old box."""
         covered: dict[tuple[int, int], list[Box]] = {}
+        copies = set(self.copies)
         for seg in self.segments:
             assert not seg.box.empty, seg
-            source = self.old_boxes[seg.src][seg.tensor]
+            assert seg.copy_of is None or (seg.src, seg.copy_of, seg.tensor) in copies, f"{seg}: no such copy"
+            source = self.source_box(seg)
             target = self.new_boxes[seg.dst][seg.tensor]
             assert source is not None and source.contains(seg.box), f"{seg} is not held by its source"
             assert target is not None and target.contains(seg.box), f"{seg} is outside its destination"
@@ -256,12 +273,15 @@ class TransitionPlan:
         assert not covered
 
 
-def _replica_classes(boxes: list[tuple[int, Box]]) -> list[tuple[Box, list[int]]]:
+Holder = tuple[int, "int | None"]  # (process, the lost process whose piece it keeps a copy of; None: its own)
+
+
+def _replica_classes(boxes: list[tuple[Holder, Box]]) -> list[tuple[Box, list[Holder]]]:
     """Group the holders of one tensor by identical box; distinct boxes must not overlap."""
-    classes: dict[Box, list[int]] = {}
-    for rank, box in boxes:
+    classes: dict[Box, list[Holder]] = {}
+    for holder, box in boxes:
         if not box.empty:
-            classes.setdefault(box, []).append(rank)
+            classes.setdefault(box, []).append(holder)
     out = sorted(classes.items(), key=lambda item: item[0].offsets)
     for (a, _), (b, _) in itertools.combinations(out, 2):
         assert a.intersect(b).empty, f"old pieces {a} and {b} overlap without being replicas"
@@ -270,7 +290,7 @@ def _replica_classes(boxes: list[tuple[int, Box]]) -> list[tuple[Box, list[int]]
 
 def plan_transition(
     space: StateSpace, old: Assignment, layout: Layout, ranks: Sequence[int] | None = None,
-    members: Sequence[int] | None = None, lost: Sequence[int] = (),
+    members: Sequence[int] | None = None, lost: Sequence[int] = (), copies: PieceCopies = (),
 ) -> TransitionPlan:
     """Plan the switch from `old` to `layout` (placed by `choose_ranks` unless `ranks` is given).
 
@@ -279,6 +299,8 @@ def plan_transition(
     that are not in `old` arrive with nothing, and those of `old` that are not members only send.
     `lost`: processes of `old` whose state is gone (they crashed): every piece is taken from
     another copy, and a piece no surviving process holds is a ValueError naming it.
+    `copies`: (holder, of, tensor): process `holder` keeps a copy of process `of`'s old piece of
+    `tensor` (`elastic.redundancy`); a lost process's piece may come from such a copy.
 
     Raises ValueError, before anything moves, if the state cannot take `layout`.
     """
@@ -300,13 +322,20 @@ def plan_transition(
         raise ValueError(f"rank order {list(new.ranks)} runs backwards along an axis of {layout}; use one of `axis_orders`")
     new_boxes = holdings_of(space, new, by_coord)
     n = old.world
+    copied: dict[tuple[int, int], Box] = {}
+    copies = tuple(c for c in copies if c[1] in lost and c[0] not in lost and old_boxes[c[1]][c[2]] is not None)
+    extra: dict[int, list[tuple[Holder, Box]]] = {}
+    for holder, of, index in copies:
+        copied[(of, index)] = old_boxes[of][index]
+        extra.setdefault(index, []).append(((holder, of), old_boxes[of][index]))
     if lost:
         gone = (None,) * len(tensors)
         old_boxes = tuple(gone if rank in lost else boxes for rank, boxes in enumerate(old_boxes))
     sent = [0] * n
     segments: list[Segment] = []
     for index, tensor in enumerate(tensors):
-        classes = _replica_classes([(r, old_boxes[r][index]) for r in range(n) if old_boxes[r][index] is not None])
+        own = [((r, None), old_boxes[r][index]) for r in range(n) if old_boxes[r][index] is not None]
+        classes = _replica_classes(own + extra.get(index, []))
         for dst in range(n):
             need = new_boxes[dst][index]
             if need is None or need.empty:
@@ -316,17 +345,18 @@ def plan_transition(
                 piece = source_box.intersect(need)
                 if piece.empty:
                     continue
-                # Prefer the destination itself, then the replica asked for the fewest bytes so far.
-                src = dst if dst in holders else min(holders, key=lambda r: (sent[r], r))
+                # Prefer the destination itself (its own piece, then a copy it keeps), then the
+                # holder asked for the fewest bytes so far.
+                src, copy_of = min(holders, key=lambda h: (h[0] != dst, h[1] is not None, sent[h[0]], h[0]))
                 if src != dst:
                     sent[src] += piece.numel * tensor.itemsize
-                segments.append(Segment(index, src, dst, piece))
+                segments.append(Segment(index, src, dst, piece, copy_of))
                 covered += piece.numel
             if covered != need.numel:
                 raise ValueError(
                     f"{tensor.key}: {need.numel - covered} of the {need.numel} elements process {dst} needs are held "
                     f"by no surviving process (lost: {sorted(lost)}); they can only come from a checkpoint"
                 )
-    plan = TransitionPlan(tensors, old, new, old_boxes, new_boxes, tuple(segments))
+    plan = TransitionPlan(tensors, old, new, old_boxes, new_boxes, tuple(segments), copies, copied)
     assert plan.bytes_moved == plan.bytes_lower_bound, (plan.bytes_moved, plan.bytes_lower_bound)
     return plan

@@ -224,7 +224,7 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Switch
                 if not seg.local:
                     buffers[seg.src] += nbytes
                     buffers[seg.dst] += nbytes
-                current.append(Segment(t, seg.src, seg.dst, box))
+                current.append(dataclasses.replace(seg, box=box))
         for r in range(n):  # the tensor is done: its old pieces go at the end of this round
             freeing[r] += old_piece[t][r]
     if current:

@@ -90,14 +90,18 @@ class SwitchReport:
 
 
 class _StateSource:
-    """The old state's local pieces, by logical tensor (`TrainingState.tensors()`)."""
+    """The old state's local pieces, by logical tensor (`TrainingState.tensors()`); and, through
+    `copies(of, key)`, the copies this process keeps of lost processes' pieces (`--redundancy`)."""
 
-    def __init__(self, state: TrainingState, space: GPTSpace):
+    def __init__(self, state: TrainingState, space: GPTSpace, copies=None):
         self.tensors = space.tensors
         self.held = state.tensors()
         self.pieces: dict[int, torch.Tensor] = {}
+        self.copies = copies
 
-    def local(self, index: int) -> torch.Tensor:
+    def local(self, index: int, copy_of: int | None = None) -> torch.Tensor:
+        if copy_of is not None:
+            return self.copies(copy_of, self.tensors[index].key)
         piece = self.pieces.get(index)
         if piece is None:
             piece = self.pieces[index] = local(self.held[self.tensors[index].key])
@@ -218,7 +222,7 @@ def switch_state(old: TrainingState, prepared: PreparedSwitch, group, timeout_s:
 class _Nothing:
     """The source of a process that arrives with no state, the sink of one that leaves."""
 
-    def local(self, index: int) -> torch.Tensor:
+    def local(self, index: int, copy_of: int | None = None) -> torch.Tensor:
         raise AssertionError(f"tensor {index}: this process holds nothing of the old state")
 
     def release(self, index: int) -> None:
@@ -229,14 +233,15 @@ class _Nothing:
 
 
 def switch_world(old: TrainingState | None, plan: TransitionPlan, process: int, new_cfg: TrainConfig,
-                 new_par: Parallel | None, group, timeout_s: float,
-                 budget: int = DEFAULT_BUDGET) -> tuple[TrainingState | None, ExecStats]:
+                 new_par: Parallel | None, group, timeout_s: float, budget: int = DEFAULT_BUDGET,
+                 copies=None) -> tuple[TrainingState | None, ExecStats]:
     """Move the state into a world of another size: `plan` places the old and the new world on
     their processes together (`reshard.plan`), and `process` is this one's number there.
 
     `old`: this process's state (None: it joins with nothing). `new_par`: its meshes in the new
     world (None: it leaves, and returns None). `group` holds every process of the plan and carries
-    the transfers. The new model and AdamW state are built with no storage and filled as
+    the transfers. `copies(of, key)`: the copy this process keeps of lost process `of`'s piece of
+    logical tensor `key`, for a plan that takes pieces from copies. The new model and AdamW state are built with no storage and filled as
     `switch_state` fills them; `old` is consumed as there.
     """
     space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
@@ -246,7 +251,7 @@ def switch_world(old: TrainingState | None, plan: TransitionPlan, process: int, 
         model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype)
         sink = _ModelSink(model, space, new_par.device)
     device = new_par.device if new_par is not None else old.par.device
-    source = _StateSource(old, space) if old is not None else _Nothing()
+    source = _StateSource(old, space, copies) if old is not None else _Nothing()
     try:
         stats = run_program(program, source, sink or _Nothing(), Transport(group), Deadline.after(timeout_s), device)
     except BaseException as err:
