@@ -72,7 +72,7 @@ class ElasticBenchOptions:
         """The smallest and largest world the script goes through."""
         world, low, high = self.nproc, self.nproc, self.nproc
         for inject in sorted(self.injects, key=lambda i: i.step):
-            world += inject.arg if inject.kind == "join" else -1
+            world += inject.count if inject.kind == "join" else -inject.count
             low, high = min(low, world), max(high, world)
         return low, high
 

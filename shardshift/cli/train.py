@@ -65,7 +65,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="the layout of a world of N workers (repeatable); otherwise fsdp=N, else dp=N")
     e.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
                    help="a scripted event after step STEP (repeatable): join=N workers, leave=RANK (a real SIGTERM "
-                        "to that worker), kill=RANK")
+                        "to that worker), kill=RANK; leave and kill take several ranks: kill=1,2")
     e.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="where the coordinator serves (default: loopback, a free port)")
     e.add_argument("--heartbeat-timeout", type=float, default=5.0,
@@ -216,7 +216,7 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
     if args.coordinator is not None:
         parse_address(args.coordinator)
     injects = tuple(Inject.parse(text) for text in args.inject)
-    joiners = sum(i.arg for i in injects if i.kind == "join")
+    joiners = sum(i.count for i in injects if i.kind == "join")
     ecfg = ElasticConfig(min_nproc=args.min_nproc, max_nproc=args.max_nproc or nproc + joiners,
                          layouts=tuple(parse_layout_for(text) for text in args.layout_for), injects=injects,
                          coordinator=args.coordinator, heartbeat_s=args.heartbeat_timeout,

@@ -16,29 +16,41 @@ INJECT_KINDS = ("join", "leave", "kill")
 @dataclasses.dataclass(frozen=True)
 class Inject:
     """A scripted membership event at the step boundary after step `step` (tests and demos):
-    ``join``: `arg` workers started by the coordinator are admitted there (the job waits for them
-    if they are not ready yet); ``leave``: the worker of rank `arg` gets a real SIGTERM;
-    ``kill``: the worker of rank `arg` gets a real SIGKILL inside that step."""
+    ``join=N``: N workers started by the coordinator are admitted there (the job waits for them
+    if they are not ready yet); ``leave=R[,R...]``: the workers of those ranks get a real SIGTERM;
+    ``kill=R[,R...]``: the workers of those ranks get a real SIGKILL inside that step."""
 
     step: int
     kind: str
-    arg: int
+    values: tuple[int, ...]  # join: (N,); leave, kill: the ranks
 
     @classmethod
     def parse(cls, text: str) -> Inject:
-        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\w+)\s*=\s*(\d+)\s*", text)
-        if match is None or match.group(2) not in INJECT_KINDS:
-            raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK or STEP:kill=RANK; "
-                             "write e.g. --inject 5:leave=3")
-        step, kind, arg = int(match.group(1)), match.group(2), int(match.group(3))
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\w+)\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*", text)
+        if match is None or match.group(2) not in INJECT_KINDS or (match.group(2) == "join" and "," in match.group(3)):
+            raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK[,RANK...] or "
+                             "STEP:kill=RANK[,RANK...]; write e.g. --inject 5:leave=3")
+        step, kind = int(match.group(1)), match.group(2)
+        values = tuple(int(v) for v in match.group(3).split(","))
         if step < 1:
             raise ValueError(f"--inject {text!r}: the step must be >= 1 (the event follows that step)")
-        if kind == "join" and arg < 1:
+        if kind == "join" and values[0] < 1:
             raise ValueError(f"--inject {text!r}: join at least one worker")
-        return cls(step, kind, arg)
+        if len(set(values)) != len(values):
+            raise ValueError(f"--inject {text!r} names a rank twice")
+        return cls(step, kind, values)
+
+    @property
+    def count(self) -> int:
+        """Workers that join (join), or ranks that leave or are killed."""
+        return self.values[0] if self.kind == "join" else len(self.values)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return () if self.kind == "join" else self.values
 
     def __str__(self) -> str:
-        return f"{self.step}:{self.kind}={self.arg}"
+        return f"{self.step}:{self.kind}={','.join(map(str, self.values))}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +87,7 @@ class ElasticConfig:
     @property
     def joiners_to_start(self) -> int:
         """Workers the coordinator starts for the scripted joins (they prepare while training goes on)."""
-        return sum(i.arg for i in self.injects if i.kind == "join")
+        return sum(i.count for i in self.injects if i.kind == "join")
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -252,7 +252,7 @@ class ElasticWorker:
         before all had voted. Every survivor decides alike: the count a lost worker left behind
         is final once its loss is reported. A scripted kill happens here, inside the step."""
         inject = self._inject(step, "kill")
-        if inject is not None and inject.arg == dist.get_rank():
+        if inject is not None and dist.get_rank() in inject.ranks:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.copies is not None:
             self.copies.send_gradients()  # a worker lost meanwhile breaks it: the step is not voted
@@ -351,7 +351,7 @@ class ElasticWorker:
     def _control(self, step: int, rank: int) -> _Control:
         """The after-step exchange (module docstring); scripted events are acted out first."""
         inject = self._inject(step, "leave")
-        if inject is not None and inject.arg == rank:
+        if inject is not None and rank in inject.ranks:
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled as any notice
             deadline = time.monotonic() + 5.0
             while not self.signals.received and time.monotonic() < deadline:
@@ -380,12 +380,12 @@ class ElasticWorker:
             if inject is None:
                 return 0
             deadline = time.monotonic() + self.timeout_s
-            while len(live := self._live_joiners()) < inject.arg and self._joiners_preparing():
+            while len(live := self._live_joiners()) < inject.count and self._joiners_preparing():
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {inject.arg} worker(s) to join after step {inject.step} were not ready "
+                    raise TimeoutError(f"the {inject.count} worker(s) to join after step {inject.step} were not ready "
                                        f"within {self.timeout_s:.0f} s")
                 time.sleep(0.01)
-            chosen = live[: min(inject.arg, room)]
+            chosen = live[: min(inject.count, room)]
         else:
             chosen = self._live_joiners()[: max(0, room)]
         if chosen:

@@ -229,9 +229,11 @@ class TransitionPlan:
         """Bytes that must move for this assignment: what each process needs and holds neither
         itself nor as a copy of a lost process's piece."""
         kept = sum(_kept_bytes(self.tensors, self.old_boxes[r], self.new_boxes[r]) for r in range(self.world_size))
-        for holder, of, tensor in self.copies:  # distinct from the holder's own box, so disjoint from it
+        counted = set()
+        for holder, of, tensor in self.copies:  # each distinct box once: distinct boxes are disjoint
             box, need = self.copied[(of, tensor)], self.new_boxes[holder][tensor]
-            if need is not None and box != self.old_boxes[holder][tensor]:
+            if need is not None and box != self.old_boxes[holder][tensor] and (holder, tensor, box) not in counted:
+                counted.add((holder, tensor, box))
                 kept += self.tensors[tensor].itemsize * box.intersect(need).numel
         return self.bytes_total - kept
 

@@ -79,6 +79,11 @@ ELASTIC = ["--elastic", "--model", "test", "--global-batch", "6"]
     ([*ELASTIC, "--nproc", "4", "--max-nproc", "7"], "no layout for a world of 7 workers .* --layout-for 7:LAYOUT"),
     ([*ELASTIC, "--nproc", "2", "--switch", "3:tp=2"], "--switch does not go with --elastic"),
     ([*ELASTIC, "--nproc", "2", "--coordinator", "nohost"], "--coordinator 'nohost' is not HOST:PORT"),
+    ([*ELASTIC, "--nproc", "4", "--inject", "3:kill=1,1"], "names a rank twice"),
+    ([*ELASTIC, "--nproc", "4", "--inject", "3:join=1,2"], "is not STEP:join=N"),
+    (["--redundancy", "1"], "--redundancy needs --elastic"),
+    ([*ELASTIC, "--nproc", "2", "--redundancy", "-1"], "--redundancy -1 must be >= 0"),
+    ([*ELASTIC, "--nproc", "2", "--redundancy", "2"], "--redundancy 2 needs more than 2 workers"),
 ])
 def test_elastic_train_refuses_bad_input_before_any_process_starts(args, needle, capsys):
     assert main(["train", *args]) == 2

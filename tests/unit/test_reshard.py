@@ -13,11 +13,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout, all_layouts
-from shardshift.reshard.plan import Assignment, axis_orders, choose_ranks, increasing_on_every_axis, plan_transition
+from shardshift.reshard.plan import (Assignment, axis_orders, choose_ranks, holdings_of, increasing_on_every_axis,
+                                     plan_transition)
 from shardshift.reshard.schedule import build_schedule
 from shardshift.reshard.space import Box, Split, chunk_range
 from shardshift.train.model import ModelConfig
@@ -60,9 +62,11 @@ def _symbolic_switch(plan, schedule, pieces):
     ]
     for rnd in schedule.rounds:
         for seg in rnd.segments:
-            src_box = plan.old_boxes[seg.src][seg.tensor]
+            # A copy a survivor keeps of a lost process's piece is that piece, exactly.
+            owner = seg.src if seg.copy_of is None else seg.copy_of
             dst_box = plan.new_boxes[seg.dst][seg.tensor]
-            new[seg.dst][seg.tensor][seg.box.relative_to(dst_box)] = pieces[seg.src][seg.tensor][seg.box.relative_to(src_box)]
+            new[seg.dst][seg.tensor][seg.box.relative_to(dst_box)] = \
+                pieces[owner][seg.tensor][seg.box.relative_to(plan.source_box(seg))]
     return new
 
 
@@ -164,6 +168,55 @@ def test_a_crash_takes_each_piece_from_a_surviving_copy_or_names_what_is_gone():
         plan_transition(space, old, Layout.parse("fsdp=2"), members=[0, 2], lost=[1, 3])
     with pytest.raises(ValueError, match="needs 2 distinct processes of 0..2"):
         Assignment(Layout.parse("fsdp=2"), (0, 3), 3)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=models, world=st.sampled_from([4, 6, 8]), k=st.integers(1, 2), data=st.data())
+def test_with_redundancy_k_any_k_crashes_lose_nothing(cfg, world, k, data):
+    """`copy_duties` gives every parameter piece K + 1 holders, so any K lost processes leave a
+    copy of every piece: the survivors' plan takes them from replicas and copies, moves the
+    fewest bytes, and every survivor ends with exactly its new pieces."""
+    space = GPTSpace(cfg, torch.float32)
+    layouts = _valid(cfg, world)
+    old = Assignment.identity(data.draw(st.sampled_from(layouts), label="old"))
+    duties = copy_duties(space, old, k)
+    holders: dict = {}
+    for d in duties:
+        holders.setdefault((d.of, d.fqn), []).append(d.holder)
+    assert all(len(h) == len(set(h)) and d_of not in h for (d_of, _), h in holders.items())
+    lost = sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=k), label="lost"))
+    survivors = [r for r in range(world) if r not in lost]
+    candidates = [layout for layout in _valid(cfg, len(survivors))]
+    assume(candidates)
+    new_layout = data.draw(st.sampled_from(candidates), label="new")
+    plan = plan_transition(space, old, new_layout, members=survivors, lost=lost,
+                           copies=plan_copies(space, duties, lambda rank: rank))
+    assert all(seg.src not in lost for seg in plan.segments)
+    assert plan.bytes_moved == plan.bytes_lower_bound
+    new = _symbolic_switch(plan, build_schedule(plan), _pieces(plan.tensors, holdings_of(space, old)))
+    expected = _pieces(plan.tensors, plan.new_boxes)
+    for rank in survivors:
+        for t in expected[rank]:
+            assert np.array_equal(new[rank][t], expected[rank][t]), (rank, plan.tensors[t].key)
+
+
+def test_copies_are_kept_only_where_replicas_do_not_already_count():
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+    space = GPTSpace(cfg, torch.float32)
+    fsdp = copy_duties(space, Assignment.identity(Layout(fsdp=4)), 1)
+    boxes = holdings_of(space, Assignment.identity(Layout(fsdp=4)))
+    pieces = {(r, t.key.removeprefix("param:")) for i, t in enumerate(space.tensors) if t.key.startswith("param:")
+              for r in range(4) if not boxes[r][i].empty}  # a dim of 3 split 4 ways leaves one rank nothing
+    assert {(d.of, d.holder) for d in fsdp} == {(0, 1), (1, 2), (2, 3), (3, 0)}  # the next rank, cyclically
+    assert {(d.of, d.fqn) for d in fsdp} == pieces and len(fsdp) == len(pieces)
+    assert copy_duties(space, Assignment.identity(Layout(dp=2, fsdp=2)), 1) == ()  # replicas are the copies
+    hsdp2 = copy_duties(space, Assignment.identity(Layout(dp=2, fsdp=2)), 2)
+    assert {(d.of, d.holder) for d in hsdp2} == {(0, 1), (1, 2)}  # 0 and 2, 1 and 3 hold the same pieces
+    assert copy_duties(space, Assignment.identity(Layout(fsdp=4)), 0) == ()
+    # Two neighbours lost at once are beyond --redundancy 1: rank 1's pieces were only on 1 and 2.
+    with pytest.raises(ValueError, match=r"held by no surviving process \(lost: \[1, 2\]\)"):
+        plan_transition(space, Assignment.identity(Layout(fsdp=4)), Layout(fsdp=2), members=[0, 3], lost=[1, 2],
+                        copies=plan_copies(space, fsdp, lambda rank: rank))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

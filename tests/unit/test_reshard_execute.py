@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from shardshift.comm import Deadline, TransferError, Transport
+from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout
 from shardshift.reshard.execute import compile_program, run_program
-from shardshift.reshard.plan import Assignment, plan_transition
+from shardshift.reshard.plan import Assignment, holdings_of, plan_transition
 from shardshift.reshard.schedule import ALIGN, build_schedule
 from shardshift.reshard.space import Box
 from shardshift.train.model import ModelConfig
@@ -31,10 +32,12 @@ def _full(tensor, index: int) -> torch.Tensor:
 
 
 class _Source:
-    def __init__(self, pieces: dict[int, torch.Tensor]):
-        self.pieces, self.released = pieces, set()
+    def __init__(self, pieces: dict[int, torch.Tensor], copies: dict[tuple[int, int], torch.Tensor] | None = None):
+        self.pieces, self.copies, self.released = pieces, copies or {}, set()
 
-    def local(self, index: int) -> torch.Tensor:
+    def local(self, index: int, copy_of: int | None = None) -> torch.Tensor:
+        if copy_of is not None:
+            return self.copies[(copy_of, index)]
         assert index not in self.released, f"tensor {index} read after it was released"
         return self.pieces[index]
 
@@ -84,6 +87,39 @@ def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
         assert sum(received) <= stats.bytes_received <= sum(received) + ALIGN * len(received)
         assert stats.peak_bytes - max(stats.old_bytes, stats.new_bytes) <= schedule.budget + max(
             t.nbytes for t in space.tensors)
+
+
+def test_a_lost_process_s_pieces_come_from_the_copies_survivors_keep():
+    """fsdp=4 with --redundancy 1 (each rank's pieces copied on the next); rank 1 is lost and the
+    three others go to fsdp=3: rank 2 sends (and keeps) rank 1's pieces from its copies."""
+    space = GPTSpace(CFG, torch.float32)
+    fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
+    old = Assignment.identity(Layout(fsdp=4))
+    boxes = holdings_of(space, old)
+    duties = copy_duties(space, old, 1)
+    plan = plan_transition(space, old, Layout(fsdp=3), members=[0, 2, 3], lost=[1],
+                           copies=plan_copies(space, duties, lambda rank: rank))
+    assert any(seg.copy_of == 1 and not seg.local for seg in plan.segments)
+    schedule = build_schedule(plan, 8 << 10)
+
+    def body(group, rank):
+        if rank == 1:
+            return None  # lost: it takes no part
+        pieces = {t: _slice(fulls[t], box).clone() for t, box in enumerate(plan.old_boxes[rank]) if box}
+        copies = {(of, t): _slice(fulls[t], boxes[of][t]).clone() for holder, of, t in plan.copies if holder == rank}
+        source = _Source(pieces, copies)
+        sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
+                     [t.dtype for t in space.tensors])
+        run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
+                    torch.device("cpu"))
+        return sink
+
+    for rank, sink in enumerate(run_ranks(4, body)):
+        if rank == 1:
+            continue
+        for t, box in enumerate(plan.new_boxes[rank]):
+            if box is not None:
+                assert torch.equal(sink.pieces[t], _slice(fulls[t], box)), (rank, space.tensors[t].key)
 
 
 def test_a_peer_that_never_comes_fails_the_round_naming_it():
