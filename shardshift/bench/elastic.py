@@ -17,9 +17,15 @@ way, side by side in one run.
    no time to notice the change, the save already done. ``restart_seconds`` is the time from
    spawning it until it starts its first step (that step itself: ``restart_step_seconds``).
 
+3. **What redundancy costs** (``redundancy_overhead``): two fixed jobs of the first world's size
+   under FSDP over all of it (no replicas: ``--redundancy 1`` keeps a copy of every piece), one
+   with ``--redundancy 0`` and one with ``--redundancy 1``, `--overhead-steps` steps each. The
+   overhead is ``1 - tokens/s with / tokens/s without``, from each job's median step after the
+   first (the first step pays for start-up). The copies' first fill, when a world opens, is in
+   every event's pause and not in this figure.
+
 The ratios are ``restart_seconds / pause_seconds``, with their geometric means for joins and
-leaves together and for crashes. In-memory redundancy is not built, so ``redundancy_overhead`` is
-null.
+leaves together and for crashes.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class ElasticBenchOptions:
     injects: tuple[Inject, ...]
     layouts: tuple[tuple[int, Layout], ...]  # --layout-for
     restart: bool = True
+    overhead_steps: int = 4  # steps of each job that measures --redundancy 1 (0: not measured)
     timeout_s: float = 600.0
     json: bool = False
 
@@ -59,6 +66,11 @@ class ElasticBenchOptions:
             raise ValueError("no events: give --suite or --inject STEP:EVENT")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout {self.timeout_s} must be > 0 seconds")
+        if self.overhead_steps == 1 or self.overhead_steps < 0:
+            raise ValueError(f"--overhead-steps {self.overhead_steps}: give 0 (skip) or at least 2 (the first "
+                             "step is not counted)")
+        if self.overhead_steps:
+            self.cfg.with_layout(Layout(fsdp=self.nproc))  # the overhead jobs' layout
         low, high = self.worlds
         if low < 1:
             raise ValueError(f"the events leave {low} workers; the job needs at least one")
@@ -103,7 +115,8 @@ def run_elastic_bench(opts: ElasticBenchOptions) -> int:
         events = [r for r in records if r.get("event") == "membership"]
         for event in events:
             event.update(_restart(opts, cfg, event, ckpt, work))
-        report(opts, events, records)
+        overhead = _redundancy_overhead(opts, work) if opts.overhead_steps else None
+        report(opts, events, records, overhead)
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -127,6 +140,29 @@ def _restart(opts: ElasticBenchOptions, cfg: TrainConfig, event: dict, ckpt: Pat
     return out
 
 
+def _redundancy_overhead(opts: ElasticBenchOptions, work: Path) -> dict:
+    """Two fixed jobs under fsdp=N, --redundancy 0 then 1: their median step times after the
+    first, and the fraction of tokens/s that redundancy costs."""
+    from shardshift.cli.train import train_argv
+
+    medians = {}
+    for k in (0, 1):
+        metrics = work / f"overhead-{k}.jsonl"
+        cfg = dataclasses.replace(opts.cfg.with_layout(Layout(fsdp=opts.nproc)), steps=opts.overhead_steps, stop_at=opts.overhead_steps,
+                                  save=None, save_every=0, metrics=str(metrics), resume=None)
+        argv = [*train_argv(cfg, nproc=opts.nproc, timeout_s=opts.timeout_s), "--elastic", "--redundancy", str(k),
+                "--log-dir", str(work / f"overhead-{k}-logs")]
+        job = subprocess.run([sys.executable, "-m", "shardshift", *argv], capture_output=True, text=True,
+                             timeout=opts.timeout_s * 2, preexec_fn=dies_with_this_process())
+        if job.returncode != 0:
+            raise RuntimeError(f"the --redundancy {k} job exited with code {job.returncode}:\n{job.stderr[-3000:]}")
+        times = sorted(r["step_time_s"] for r in map(json.loads, metrics.read_text().splitlines())
+                       if "step_time_s" in r and r["step"] > 1)
+        medians[k] = times[len(times) // 2]
+    return {"layout": str(Layout(fsdp=opts.nproc)), "steps": opts.overhead_steps, "step_seconds": medians[0],
+            "step_seconds_redundancy_1": medians[1], "overhead": 1 - medians[0] / medians[1]}
+
+
 def _geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -141,16 +177,16 @@ def summary(events: list[dict]) -> dict:
     return {"join_leave": _geomean(ratios[("join", "leave")]), "crash": _geomean(ratios[("crash",)])}
 
 
-def report(opts: ElasticBenchOptions, events: list[dict], records: list[dict]) -> None:
+def report(opts: ElasticBenchOptions, events: list[dict], records: list[dict], overhead: dict | None) -> None:
     means = summary(events)
     step_times = [r["step_time_s"] for r in records if "step_time_s" in r]
     fields = ("kind", "step", "from_world", "to_world", "from", "to", "pause_seconds", "detect_seconds",
               "restart_seconds", "restart_step_seconds", "restart_over_pause", "steps_lost", "bytes_moved",
-              "recovered_from", "restart_error")
+              "recovered_from", "restart_error", "phases")
     out = {"model": opts.cfg.model_name, "params": opts.cfg.model.num_params(), "dtype": opts.cfg.dtype,
            "global_batch": opts.cfg.global_batch, "events": [{k: e.get(k) for k in fields} for e in events],
            "geomean_restart_over_pause": means, "median_step_seconds": sorted(step_times)[len(step_times) // 2],
-           "redundancy_overhead": None}
+           "redundancy_overhead": overhead["overhead"] if overhead else None, "redundancy": overhead}
     if opts.json:
         print(json.dumps(out))
         return
@@ -167,4 +203,7 @@ def report(opts: ElasticBenchOptions, events: list[dict], records: list[dict]) -
               f"{e['bytes_moved']:>12,}  {e['recovered_from']}")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print(f"geometric mean restart/pause: joins and leaves {fmt(means['join_leave'])}, crashes {fmt(means['crash'])}; "
-          f"median step {out['median_step_seconds']:.2f} s; redundancy: not built")
+          f"median step {out['median_step_seconds']:.2f} s")
+    if overhead:
+        print(f"--redundancy 1 under {overhead['layout']}: median step {overhead['step_seconds_redundancy_1']:.2f} s "
+              f"against {overhead['step_seconds']:.2f} s without: {overhead['overhead']:.1%} of tokens/s")

@@ -203,6 +203,9 @@ def _add_elastic(benches) -> None:
     p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
     p.add_argument("--global-batch", type=int, default=12, help="sequences per step")
     p.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart column")
+    p.add_argument("--overhead-steps", type=int, default=4,
+                   help="steps of each of the two fixed fsdp=N jobs (--redundancy 0 and 1) that measure what "
+                        "--redundancy 1 costs per step (0: skip)")
     p.add_argument("--json", action="store_true", help='print one JSON object {"events": [...], ...}')
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
     p.set_defaults(func=_run_elastic)
@@ -224,7 +227,7 @@ def _elastic_options(args: argparse.Namespace):
     cfg = TrainConfig(layout=first, model=model_config(args.model), model_name=args.model, steps=steps,
                       dtype=args.dtype, global_batch=args.global_batch, log_every=0)
     return ElasticBenchOptions(cfg=cfg, nproc=args.nproc, injects=injects, layouts=layouts, restart=args.restart,
-                               timeout_s=args.timeout, json=args.json)
+                               overhead_steps=args.overhead_steps, timeout_s=args.timeout, json=args.json)
 
 
 def _run_elastic(args: argparse.Namespace) -> int:

@@ -205,9 +205,8 @@ class ElasticWorker:
                 trainer = self.trainer
                 rank = dist.get_rank()
                 try:
-                    result = trainer.train_step(commit=self._commit)
-                    if self.copies is not None:
-                        self.copies.step()
+                    result = trainer.train_step(commit=self._commit,
+                                                applied=self.copies.step if self.copies is not None else None)
                     if rank == 0:
                         report_step(trainer.cfg, result, self.metrics)
                     control = self._control(trainer.progress.step, rank)
@@ -421,9 +420,12 @@ class ElasticWorker:
         self._move(change, decided_at, detect_s=detect)
 
     def _move(self, change: _Change, started_at: float, detect_s: float, recovered_from: str = "none") -> None:
-        """Move this worker's state (if any) into the new world (if it is in it)."""
+        """Move this worker's state (if any) into the new world (if it is in it). The event's
+        ``phases`` break the pause down (seconds, the slowest worker's each: `PHASES`)."""
+        clock = _Phases(started_at)
         process = change.union.index(self.member)
         group = membership.move_group(self.store, change.epoch, process, change.movers, self.timeout_s)
+        clock.lap("move_group")
         old_state, copies = None, None
         if self.copies is not None:
             kept, previous = self.copies, change.epoch.previous
@@ -437,13 +439,19 @@ class ElasticWorker:
                 self.metrics = None
             dist.destroy_process_group()
             forget_old_meshes()
+        clock.lap("leave_old_world")
         new_par, rank = None, None
         if process in change.plan.new.ranks:
             rank = change.plan.new.ranks.index(process)
             membership.init_world(self.store, change.epoch, rank, self.timeout_s, _backend())
+            clock.lap("new_world")
             new_par = build_parallel(change.epoch.layout, rank, self.device_type)
+            clock.lap("meshes")
         state, stats = switch_world(old_state, change.plan, process, change.cfg, new_par, group, self.timeout_s,
                                     self.cfg.switch_budget, copies)
+        clock.lap("model_and_transfer")
+        clock.times["transfer"] = stats.seconds
+        clock.times["model_and_transfer"] -= stats.seconds
         del old_state, copies
         self.copies = None
         self.epoch = change.epoch
@@ -451,8 +459,11 @@ class ElasticWorker:
             self.cfg = change.cfg
             self.trainer = Trainer(change.cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s,
                                    state=state)
+            clock.lap("trainer")
             self._keep_copies(rank)
-        worst = _worst(group, [time.monotonic() - started_at, detect_s])  # also: nobody leaves before all arrived
+            clock.lap("copies")
+        # The slowest worker's figures; also, nobody leaves before every worker has arrived here.
+        worst = _worst(group, [time.monotonic() - started_at, detect_s, *clock.values()])
         del group
         if state is None:
             say(f"shardshift: worker {self.member} left after step {change.epoch.step}, its state moved to the "
@@ -461,7 +472,8 @@ class ElasticWorker:
         self._opened(rank, {"kind": change.epoch.kind, "from_world": len(change.epoch.previous),
                             "to_world": change.epoch.world_size, "from": str(change.old_layout),
                             "to": str(change.epoch.layout), "detect_seconds": worst[1], "pause_seconds": worst[0],
-                            "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from})
+                            "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from,
+                            "phases": dict(zip(PHASES, worst[2:]))})
 
     def _keep_copies(self, rank: int) -> None:
         """With --redundancy: decide the copies of this world and fill them (a collective)."""
@@ -485,6 +497,27 @@ class ElasticWorker:
         say(f"{event['kind']}: {event['from_world']} -> {event['to_world']} workers after step {event['step']}, "
             f"{event['from']} -> {event['to']}: paused {event['pause_seconds']:.2f} s, moved "
             f"{event['bytes_moved']:,} bytes, {lost}")
+
+
+PHASES = ("move_group", "leave_old_world", "new_world", "meshes", "model_and_transfer", "transfer", "trainer",
+          "copies")
+"""The parts of a change's pause: building the move group; leaving the old world's groups; joining
+the new world's default group; its meshes; the new model's structure and optimizer (without the
+transfer); the transfer itself; the trainer around the new state; filling the copies
+(`--redundancy`). A phase a worker has no part in counts 0 for it."""
+
+
+class _Phases:
+    def __init__(self, start: float):
+        self.last, self.times = start, {}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.times[name] = now - self.last
+        self.last = now
+
+    def values(self) -> list[float]:
+        return [self.times.get(name, 0.0) for name in PHASES]
 
 
 def _worst(group, values: list[float]) -> list[float]:

@@ -198,10 +198,12 @@ class Trainer:
         dist.all_reduce(total)
         return float(total)
 
-    def train_step(self, commit=None) -> StepResult:
+    def train_step(self, commit=None, applied=None) -> StepResult:
         """One optimizer step. `commit(step)`, when given, is asked once the step's gradients and
         loss are known and before anything of the state changes: False aborts the step
-        (`StepAborted`), leaving the state as it was (an elastic run's workers vote so)."""
+        (`StepAborted`), leaving the state as it was (an elastic run's workers vote so).
+        `applied()`, when given, runs once the optimizer has stepped, within the step's time (an
+        elastic run's copies of other workers' pieces step then)."""
         self.state.check_usable()
         cfg, layout, progress = self.cfg, self.cfg.layout, self.progress
         start = time.perf_counter()
@@ -223,6 +225,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise StepAborted(progress.step + 1)
         self.optimizer.step()
+        if applied is not None:
+            applied()
         self.optimizer.zero_grad(set_to_none=True)
 
         progress.step += 1

@@ -17,6 +17,7 @@ def test_bad_input_exits_2_before_anything_starts(budget):
         (["--nproc", "2"], "no events: give --suite or --inject"),
         (["--nproc", "2", "--inject", "1:leave=1", "--inject", "2:leave=0"], "the events leave 0 workers"),
         (["--suite", "--inject", "1:leave=1"], "either --suite or --inject"),
+        (["--suite", "--overhead-steps", "1"], "give 0 (skip) or at least 2"),
     ]:
         run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", *args, "--model", "test"],
                              capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
@@ -25,7 +26,7 @@ def test_bad_input_exits_2_before_anything_starts(budget):
 
 def test_the_suite_reports_every_event_beside_its_restart(budget):
     run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--suite", "--model", "test",
-                          "--global-batch", "6", "--json", "--timeout", "120"],
+                          "--global-batch", "6", "--json", "--timeout", "120", "--overhead-steps", "3"],
                          capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
@@ -39,4 +40,7 @@ def test_the_suite_reports_every_event_beside_its_restart(budget):
         assert e["steps_lost"] == 0 and e["pause_seconds"] > 0 and e["restart_error"] is None, e
         assert e["restart_seconds"] > 0 and e["restart_over_pause"] == e["restart_seconds"] / e["pause_seconds"]
     assert set(out["geomean_restart_over_pause"]) == {"join_leave", "crash"}
-    assert out["redundancy_overhead"] is None
+    redundancy = out["redundancy"]
+    assert redundancy["layout"] == "fsdp=4" and redundancy["steps"] == 3
+    assert redundancy["step_seconds"] > 0 and redundancy["step_seconds_redundancy_1"] > 0
+    assert out["redundancy_overhead"] == 1 - redundancy["step_seconds"] / redundancy["step_seconds_redundancy_1"]

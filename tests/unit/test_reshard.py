@@ -18,8 +18,14 @@ from hypothesis import strategies as st
 
 from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout, all_layouts
-from shardshift.reshard.plan import (Assignment, axis_orders, choose_ranks, holdings_of, increasing_on_every_axis,
-                                     plan_transition)
+from shardshift.reshard.plan import (
+    Assignment,
+    axis_orders,
+    choose_ranks,
+    holdings_of,
+    increasing_on_every_axis,
+    plan_transition,
+)
 from shardshift.reshard.schedule import build_schedule
 from shardshift.reshard.space import Box, Split, chunk_range
 from shardshift.train.model import ModelConfig

@@ -1,0 +1,279 @@
+"""The layout of a world of N workers that `--layout-for` does not name: the fastest that fits.
+
+Among the layouts of N ranks that the model and the batch take (`TrainConfig.with_layout`) and whose
+busiest rank fits the memory limit, the policy takes the one a cost model predicts to step fastest.
+All of it is pure; every worker evaluates it on the same inputs and must reach the same layout.
+
+**Memory** (`state_bytes_per_rank`): the most any rank holds of parameters, gradients (one per
+parameter element held) and AdamW's two moments, read exactly from the GPT's space
+(`train.space`), plus an estimate of its activations (`activation_bytes`). A rank reads at most
+``b = ceil(global_batch / (dp * fsdp))`` sequences. Under pp with m micro-batches, 1F1B keeps
+``min(pp - stage, m)`` micro-batches of ``b / m`` in flight on a stage. A layer keeps
+`ACTIVATION_VALUES` values of width ``d_model / tp`` per token in flight; the last stage adds
+`LOGIT_COPIES` × ``vocab_size`` values per token of one micro-batch. Values are of the compute
+dtype (bfloat16 under autocast).
+
+**Step features** (`step_features`), for one step of the busiest rank, each term taken separately:
+
+- ``compute = 6 · P · b · seq_len · (pp - 1 + m) / m``, with P the parameters of a stage's tp piece
+  (the most of any rank; FSDP does not divide the work) and the 1F1B bubble factor (1 without pp);
+- ``comm_bytes``, what a rank sends: the dp all-reduce ``2 (dp-1)/dp`` × its parameter piece; FSDP's
+  all-gathers (forward and backward, or once under pp, which keeps parameters gathered) and
+  reduce-scatter, each ``(fsdp-1)/fsdp`` × the tp piece; tp's 4 all-reduces per layer (2 forward,
+  2 backward) of ``2 (tp-1)/tp`` × the local activation ``b · seq_len · d_model``; pp's activations
+  forward and their gradients backward, one activation each per stage boundary the rank touches;
+- ``messages``, collective calls: per FSDP unit (each block and the stage root) one per FSDP
+  collective and one dp all-reduce (DDP under pure replication: one per 25 MiB bucket); tp's 4 per
+  layer and pp's sends per micro-batch; and the loss and gradient-norm all-reduces.
+
+**Cost** (`CostModel`): seconds = a · compute + b · comm_bytes + c · messages, nothing overlapped.
+Only the ratios of a, b, c matter to the choice (all candidates have the same N). `DEFAULT` is
+set from a measurement (below); `calibrate` fits a, b, c to the job's own measured steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+from shardshift.layout import Layout, all_layouts
+from shardshift.reshard.plan import Assignment, holdings_of
+from shardshift.train.config import DTYPES, TrainConfig
+from shardshift.train.model import ModelConfig
+from shardshift.train.space import MOMENTS, GPTSpace, stage_blocks, uses_fsdp
+from shardshift.units import format_size
+
+ACTIVATION_VALUES = 16  # values of width d_model a layer keeps per token for its backward (estimate)
+LOGIT_COPIES = 2  # the logits and their log-softmax, vocab_size values per token each
+DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket: one all-reduce each
+RIDGE = 1e-6  # weight of the pull towards the scaled prior, in units of relative step-time error
+TIE_DIGITS = 9  # predictions that agree to this many significant digits are a tie
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepFeatures:
+    """What one step costs the busiest rank of a layout, in the units the cost model prices."""
+
+    compute: float  # 6 · parameters · tokens (the flops of forward and backward), times the bubble
+    comm_bytes: float  # bytes sent
+    messages: int  # collective calls and point-to-point sends
+
+    @property
+    def values(self) -> tuple[float, float, float]:
+        return (self.compute, self.comm_bytes, float(self.messages))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds of a step: a price per unit of each `StepFeatures` term, summed."""
+
+    seconds_per_compute: float
+    seconds_per_byte: float
+    seconds_per_message: float
+
+    def __post_init__(self) -> None:
+        for name, value in zip(("seconds_per_compute", "seconds_per_byte", "seconds_per_message"), self.coefficients):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"cost model {name}={value} must be a finite number >= 0")
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        return (self.seconds_per_compute, self.seconds_per_byte, self.seconds_per_message)
+
+    def predict(self, features: StepFeatures) -> float:
+        return sum(c * v for c, v in zip(self.coefficients, features.values))
+
+    def scaled(self, factor: float) -> CostModel:
+        return CostModel(*(c * factor for c in self.coefficients))
+
+
+# 2 CPU cores, gloo on loopback: `base` (114M parameters), global batch 12, dp=2,fsdp=2 on 4 workers
+# steps in about 16 s. Loopback moves about 1 GB/s (0.9 GB sent per rank: 0.9 s); a gloo collective
+# call costs about 100 us. The rest is compute: 6 · 114M · 3 · 256 = 5.3e11 units per rank in about
+# 15 s, with two workers per core. DEFAULT predicts 16.7 s for it.
+DEFAULT = CostModel(seconds_per_compute=3e-11, seconds_per_byte=1e-9, seconds_per_message=1e-4)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _space(model: ModelConfig, dtype: torch.dtype) -> GPTSpace:
+    return GPTSpace(model, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _held(model: ModelConfig, dtype: torch.dtype, layout: Layout) -> tuple[tuple[int, int], ...]:
+    """Per rank of `layout`: (bytes of its parameter pieces, bytes of its pieces of parameters,
+    gradients and both moments)."""
+    space = _space(model, dtype)
+    out = []
+    for boxes in holdings_of(space, Assignment.identity(layout)):
+        params = state = 0
+        for tensor, box in zip(space.tensors, boxes):
+            if box is None or tensor.kind not in ("param", *MOMENTS):
+                continue
+            nbytes = box.numel * tensor.itemsize
+            state += nbytes
+            if tensor.kind == "param":
+                params += nbytes
+                state += nbytes  # its gradient
+        out.append((params, state))
+    return tuple(out)
+
+
+def _local_batch(cfg: TrainConfig, layout: Layout) -> int:
+    """Sequences of the largest data slice (uneven splits give the first slices one more)."""
+    return -(-cfg.global_batch // layout.data_parallel)
+
+
+def _micro_batches(cfg: TrainConfig, layout: Layout) -> int:
+    return cfg.micro_batches if layout.pp > 1 else 1
+
+
+def activation_bytes(cfg: TrainConfig, layout: Layout) -> tuple[int, ...]:
+    """Estimated activation bytes of a rank of each pipeline stage (see the module docstring)."""
+    cfg = cfg.with_layout(layout)
+    m, mc = _micro_batches(cfg, layout), cfg.model
+    micro = _local_batch(cfg, layout) // m
+    itemsize = DTYPES[cfg.dtype].itemsize
+    out = []
+    for stage, blocks in enumerate(stage_blocks(mc.n_layer, layout.pp)):
+        tokens = min(layout.pp - stage, m) * micro * mc.seq_len
+        values = len(blocks) * -(-ACTIVATION_VALUES * tokens * mc.d_model // layout.tp)
+        if stage == layout.pp - 1:
+            values += LOGIT_COPIES * micro * mc.seq_len * mc.vocab_size
+        out.append(values * itemsize)
+    return tuple(out)
+
+
+def state_bytes_per_rank(cfg: TrainConfig, layout: Layout) -> int:
+    """The most bytes any rank of `layout` holds: parameters, gradients, AdamW moments and activations.
+    ValueError if the model or the batch cannot take `layout`."""
+    activations = activation_bytes(cfg, layout)
+    held = _held(cfg.model, cfg.param_dtype, layout)
+    return max(state + activations[coord.pp] for (_, state), coord in zip(held, layout.coords()))
+
+
+# ---- time --------------------------------------------------------------------------------------
+
+
+def step_features(cfg: TrainConfig, layout: Layout) -> StepFeatures:
+    """The busiest rank's compute, bytes sent and messages in one step of `layout` (each term its
+    own maximum). ValueError if the model or the batch cannot take `layout`."""
+    cfg = cfg.with_layout(layout)
+    mc, m = cfg.model, _micro_batches(cfg, layout)
+    pp, dp, fsdp, tp = layout.pp, layout.dp, layout.fsdp, layout.tp
+    itemsize = cfg.param_dtype.itemsize
+    piece = max(params for params, _ in _held(mc, cfg.param_dtype, layout))  # a rank's own shard
+    tp_piece = max(params for params, _ in _held(mc, cfg.param_dtype, Layout(tp=tp, pp=pp)))  # before FSDP
+    tokens = _local_batch(cfg, layout) * mc.seq_len
+    activation = tokens * mc.d_model * DTYPES[cfg.dtype].itemsize  # the local batch's hidden states
+    layers = len(stage_blocks(mc.n_layer, pp)[0])  # the first stage is the longest
+    units = layers + 1  # FSDP units: every block, and the stage root
+    fsdp_calls = 3 if pp == 1 else 2  # all-gather forward (and backward), reduce-scatter
+    boundaries = min(pp - 1, 2)  # a middle stage sends forward and backward
+
+    compute = 6 * (tp_piece // itemsize) * tokens * (pp - 1 + m) / m
+    comm = (2 * (dp - 1) / dp * piece + fsdp_calls * (fsdp - 1) / fsdp * tp_piece
+            + 4 * layers * 2 * (tp - 1) / tp * activation + boundaries * activation)
+    messages = 2 if layout.world_size > 1 else 0  # the loss and the gradient norm
+    if fsdp > 1:
+        messages += fsdp_calls * units
+    if dp > 1:
+        messages += units if uses_fsdp(layout) else -(-piece // DDP_BUCKET_BYTES)
+    if tp > 1:
+        messages += 4 * layers * m
+    messages += boundaries * m
+    return StepFeatures(compute=compute, comm_bytes=comm, messages=messages)
+
+
+def calibrate(observations: Sequence[tuple[TrainConfig, Layout, float]], prior: CostModel = DEFAULT) -> CostModel:
+    """The cost model that fits this job's measured steps: (config, layout, seconds) each.
+
+    Observations of the same features are averaged. With one distinct kind, `prior` is scaled to
+    predict its mean exactly. With more, the three prices are a non-negative least-squares fit of
+    the relative errors; directions the observations leave free keep the scaled prior's ratios (a
+    pull of weight `RIDGE`). A fit that fails (non-finite, or predicting a measured step to take
+    no time) falls back to the scaled prior. The result does not depend on the order of
+    `observations`.
+    """
+    groups: dict[StepFeatures, list[float]] = {}
+    for cfg, layout, seconds in observations:
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"a measured step under {layout} took {seconds} s: step times must be finite and > 0")
+        groups.setdefault(step_features(cfg, layout), []).append(seconds)
+    if not groups:
+        return prior
+    rows = sorted((f, math.fsum(ts) / len(ts), len(ts)) for f, ts in groups.items())
+    # Relative terms: each of the prior's three terms of a row, over the row's mean time.
+    weights = np.sqrt([count for _, _, count in rows])
+    terms = np.array([[c * v / mean for c, v in zip(prior.coefficients, f.values)] for f, mean, _ in rows])
+    ratio = terms.sum(axis=1)  # the prior's prediction over the measurement
+    if not np.all(ratio > 0):
+        return prior
+    scale = float(np.sum(weights**2 * ratio) / np.sum(weights**2 * ratio**2))  # one-parameter fit
+    scaled = prior.scaled(scale)
+    if len(rows) == 1:
+        return scaled
+    # x[j] now multiplies the scaled prior's price j, whose terms are fractions of a measured step.
+    a = np.vstack([weights[:, None] * terms * scale, RIDGE * np.eye(3)])
+    b = np.concatenate([weights, RIDGE * np.ones(3)])
+    x, _ = nnls(a, b)
+    if not np.all(np.isfinite(x)):
+        return scaled
+    fitted = CostModel(*(c * float(v) for c, v in zip(scaled.coefficients, x)))
+    if any(fitted.predict(f) <= 0 for f, _, _ in rows):
+        return scaled
+    return fitted
+
+
+# ---- the choice --------------------------------------------------------------------------------
+
+
+def _tie(seconds: float) -> float:
+    return float(f"{seconds:.{TIE_DIGITS}g}")
+
+
+def explain(n: int, cfg: TrainConfig, model: CostModel,
+            memory_limit: int | None) -> list[tuple[Layout, float | None, int, str]]:
+    """Every layout of `n` ranks as (layout, predicted seconds per step, bytes of the busiest rank,
+    why it is rejected or ""), the layouts that fit first, best first: by predicted time (a tie
+    within `TIE_DIGITS` digits goes to fewer pp, then fewer tp, then the name). A layout the model
+    or batch cannot take has no prediction and 0 bytes."""
+    if n < 1:
+        raise ValueError(f"a world of {n} workers has no layout: give at least one worker")
+    rows = []
+    for layout in all_layouts(n):
+        try:
+            need = state_bytes_per_rank(cfg, layout)
+        except ValueError as err:
+            rows.append((layout, None, 0, str(err)))
+            continue
+        seconds = model.predict(step_features(cfg, layout))
+        over = memory_limit is not None and need > memory_limit
+        why = f"needs {format_size(need)} per rank, above the limit of {format_size(memory_limit)}" if over else ""
+        rows.append((layout, seconds, need, why))
+
+    def key(row):
+        layout, seconds, _, why = row
+        return (why != "", seconds is None, _tie(seconds or 0.0), layout.pp, layout.tp, str(layout))
+
+    return sorted(rows, key=key)
+
+
+def choose_layout(n: int, cfg: TrainConfig, model: CostModel, memory_limit: int | None) -> Layout:
+    """The layout of `n` ranks with the least predicted step time among those the model and batch
+    take and whose busiest rank holds at most `memory_limit` bytes (None: no limit)."""
+    rows = explain(n, cfg, model, memory_limit)
+    if rows[0][3] == "":
+        return rows[0][0]
+    reasons = "; ".join(f"{layout}: {why}" for layout, _, _, why in rows)
+    more = ", or allow more memory per rank" if any(s is not None for _, s, _, _ in rows) else ""
+    raise ValueError(f"no layout of {n} workers fits ({reasons}); give one with --layout-for {n}:LAYOUT{more}")
