@@ -74,7 +74,7 @@ class ElasticBenchOptions:
         low, high = self.worlds
         if low < 1:
             raise ValueError(f"the events leave {low} workers; the job needs at least one")
-        check_every_world(self.elastic(low, high), self.cfg.with_layout)
+        check_every_world(self.elastic(low, high), self.cfg)
 
     def elastic(self, low: int, high: int) -> ElasticConfig:
         return ElasticConfig(min_nproc=low, max_nproc=high, layouts=self.layouts, injects=self.injects)

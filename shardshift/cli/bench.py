@@ -186,7 +186,7 @@ def _run_switch(args: argparse.Namespace) -> int:
 # of 3 and 2 under FSDP: a crash 4->3 (from the replicas), a leave 3->2, joins 2->3->4, a crash 4->3,
 # a join 3->4.
 ELASTIC_SUITE = ("2:kill=3", "3:leave=2", "4:join=1", "5:join=1", "6:kill=1", "7:join=1")
-ELASTIC_SUITE_LAYOUTS = ((4, Layout(dp=2, fsdp=2)),)
+ELASTIC_SUITE_LAYOUTS = ((4, Layout(dp=2, fsdp=2)), (3, Layout(fsdp=3)), (2, Layout(fsdp=2)))
 
 
 def _add_elastic(benches) -> None:
@@ -194,7 +194,7 @@ def _add_elastic(benches) -> None:
     p.add_argument("--nproc", type=int, default=4, help="workers of the first world")
     p.add_argument("--suite", action="store_true",
                    help=f"the default events (for 4 workers): {' '.join(ELASTIC_SUITE)}, with --layout-for "
-                        f"4:dp=2,fsdp=2")
+                        f"{' '.join(f'{n}:{layout}' for n, layout in ELASTIC_SUITE_LAYOUTS)}")
     p.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
                    help="an event after step STEP (repeatable): join=N, leave=RANK, kill=RANK")
     p.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",

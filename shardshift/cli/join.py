@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardshift.cli.main import build_parser
-    from shardshift.cli.train import _elastic_layout, config_from_args, elastic_from_args
+    from shardshift.cli.train import elastic_job
     from shardshift.elastic.config import parse_address
 
     try:
@@ -37,8 +37,7 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, OSError) as err:
             raise ValueError(f"--coordinator {args.coordinator}: no elastic job answers there ({err})") from None
         job = build_parser(argv).parse_args(argv)
-        cfg = config_from_args(job, _elastic_layout(job, job.nproc))
-        ecfg = elastic_from_args(job, job.nproc)
+        _, cfg, ecfg = elastic_job(job)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2

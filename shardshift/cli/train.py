@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardshift.layout import Layout
@@ -62,7 +63,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-nproc", type=int, default=None,
                    help="most workers (default: --nproc plus the scripted joiners); ready joiners beyond it wait")
     e.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",
-                   help="the layout of a world of N workers (repeatable); otherwise fsdp=N, else dp=N")
+                   help="the layout of a world of N workers (repeatable); otherwise the layout policy picks the "
+                        "layout predicted to step fastest that fits --memory-per-worker (docs/elastic.md)")
     e.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
                    help="a scripted event after step STEP (repeatable): join=N workers, leave=RANK (a real SIGTERM "
                         "to that worker), kill=RANK; leave and kill take several ranks: kill=1,2")
@@ -71,6 +73,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat after which the coordinator takes a worker it started for "
                         "dead, kills it, and the others go on without it (default 5)")
+    e.add_argument("--memory-per-worker", default=None, metavar="SIZE",
+                   help="memory a worker's state may take (parameters, gradients, AdamW moments, activations, "
+                        "copies), e.g. 8G: the layout policy only picks layouts that fit (default: the GPU's memory, "
+                        "or this machine's memory divided by --max-nproc)")
     e.add_argument("--redundancy", type=int, default=0, metavar="K",
                    help="keep every piece of the training state on K + 1 workers, in memory and current at every "
                         "step, so that K workers may crash at once and lose nothing (default 0: replicas only)")
@@ -220,36 +226,64 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
     ecfg = ElasticConfig(min_nproc=args.min_nproc, max_nproc=args.max_nproc or nproc + joiners,
                          layouts=tuple(parse_layout_for(text) for text in args.layout_for), injects=injects,
                          coordinator=args.coordinator, heartbeat_s=args.heartbeat_timeout,
-                         redundancy=args.redundancy)
+                         redundancy=args.redundancy, memory_per_worker=_memory_per_worker(args, nproc + joiners))
     if not ecfg.min_nproc <= nproc <= ecfg.max_nproc:
         raise ValueError(f"--nproc {nproc} is outside --min-nproc {ecfg.min_nproc} .. --max-nproc {ecfg.max_nproc}")
     return ecfg
 
 
-def _elastic_layout(args: argparse.Namespace, nproc: int) -> Layout:
-    """The first world's layout: --layout, or the one --layout-for or the policy gives `nproc`."""
+def _memory_per_worker(args: argparse.Namespace, default_max: int) -> int:
+    """--memory-per-worker in bytes; by default the GPU's memory, or this machine's divided by
+    --max-nproc. The launcher resolves the default once and passes it on (`_elastic_run`), so that
+    every worker, on any host, sees the same limit."""
+    from shardshift.units import parse_size
+
+    if args.memory_per_worker is not None:
+        return parse_size(args.memory_per_worker, "--memory-per-worker")
+    if torch_cuda_available():
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (args.max_nproc or default_max)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _elastic_layout(args: argparse.Namespace, nproc: int, ecfg, cfg) -> Layout:
+    """The first world's layout: --layout, or the one --layout-for or the layout policy gives `nproc`."""
     if args.layout is not None:
         return Layout.parse(args.layout)
-    from shardshift.elastic.config import parse_layout_for
+    from shardshift.elastic.config import layout_for
 
-    named = dict(parse_layout_for(text) for text in args.layout_for)
-    return named.get(nproc, Layout(fsdp=nproc))
+    return layout_for(nproc, ecfg, cfg)
+
+
+def elastic_job(args: argparse.Namespace):
+    """The elastic run the command line asks for: (first world's size, its configuration under the
+    first world's layout, the elastic configuration), validated: every world size from
+    --min-nproc to --max-nproc must have a layout. ValueError says what to change."""
+    from shardshift.elastic.config import check_every_world
+
+    nproc = _world_size(args)
+    if nproc is None:
+        raise ValueError("--elastic needs --nproc: the first world's number of workers")
+    ecfg = elastic_from_args(args, nproc)
+    run = config_from_args(args, Layout())  # the run, before its first world's layout is chosen
+    layout = _elastic_layout(args, nproc, ecfg, run)
+    layout.check_world(nproc)
+    check_every_world(ecfg, run)  # it refuses a layout the model or the batch cannot take
+    return nproc, run.with_layout(layout), ecfg
 
 
 def _elastic_run(args: argparse.Namespace) -> int:
-    from shardshift.elastic.config import check_every_world
-
     try:
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
-        nproc = _world_size(args)
-        if nproc is None:
-            raise ValueError("--elastic needs --nproc: the first world's number of workers")
-        layout = _elastic_layout(args, nproc)
-        layout.check_world(nproc)
-        cfg = config_from_args(args, layout)
-        ecfg = elastic_from_args(args, nproc)
-        check_every_world(ecfg, cfg.with_layout)  # it refuses a layout the model or the batch cannot take
+        nproc, cfg, ecfg = elastic_job(args)
         if not in_worker():
             _check_before_launch(cfg, args.log_dir)
     except ValueError as err:
@@ -261,7 +295,10 @@ def _elastic_run(args: argparse.Namespace) -> int:
         return member_main(cfg, ecfg, args.timeout)
     from shardshift.elastic.coordinator import launch_elastic
 
-    return launch_elastic(nproc, args.argv, ecfg, timeout_s=args.timeout, log_dir=args.log_dir)
+    argv = list(args.argv)
+    if args.memory_per_worker is None:  # resolved here, once: every worker, on any host, sees the same
+        argv += ["--memory-per-worker", str(ecfg.memory_per_worker)]
+    return launch_elastic(nproc, argv, ecfg, timeout_s=args.timeout, log_dir=args.log_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
                                       ("--coordinator", args.coordinator), ("--max-nproc", args.max_nproc),
                                       ("--min-nproc", args.min_nproc != 1),
                                       ("--heartbeat-timeout", args.heartbeat_timeout != 5.0),
-                                      ("--redundancy", args.redundancy)) if value]
+                                      ("--redundancy", args.redundancy),
+                                      ("--memory-per-worker", args.memory_per_worker)) if value]
     if given:
         print(f"shardshift: error: {given[0]} needs --elastic", file=sys.stderr)
         return 2

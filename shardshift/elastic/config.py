@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 from shardshift.layout import Layout
+
+if TYPE_CHECKING:
+    from shardshift.train.config import TrainConfig
+
+Observed = tuple[tuple[Layout, float], ...]  # measured step times of this job: (layout, seconds)
 
 INJECT_KINDS = ("join", "leave", "kill")
 
@@ -62,6 +68,7 @@ class ElasticConfig:
     coordinator: str | None = None  # HOST:PORT the coordinator serves on (None: loopback, a free port)
     heartbeat_s: float = 5.0  # a worker silent this long is taken for dead
     redundancy: int = 0  # --redundancy K: every piece of the state kept by K + 1 workers
+    memory_per_worker: int | None = None  # bytes of state a worker may hold (the layout policy's limit)
 
     def __post_init__(self) -> None:
         if self.redundancy < 0:
@@ -111,26 +118,25 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def layout_for(n: int, ecfg: ElasticConfig, check) -> Layout:
-    """The layout of a world of `n` workers: the one `--layout-for` names, else the first of FSDP
-    over all of them and plain replication that `check(layout)` accepts (it raises ValueError
-    for a layout the model or batch cannot take: `TrainConfig.with_layout`). ValueError when
-    none fits."""
+def layout_for(n: int, ecfg: ElasticConfig, cfg: TrainConfig, observed: Observed = ()) -> Layout:
+    """The layout of a world of `n` workers: the one `--layout-for` names (checked against the
+    model and the batch: `TrainConfig.with_layout` raises ValueError), else the policy's
+    (`policy.choose_layout`): among the layouts that fit `--memory-per-worker`, the one predicted
+    to step fastest by the cost model calibrated on `observed` (this job's measured steps, as
+    (layout, seconds): those of worlds of `n` when there are any, else all). Every worker gets
+    the same layout from the same inputs. ValueError when none fits."""
     named = dict(ecfg.layouts)
     if n in named:
-        check(named[n])
+        cfg.with_layout(named[n])
         return named[n]
-    reasons = []
-    for layout in (Layout(fsdp=n), Layout(dp=n)):
-        try:
-            check(layout)
-            return layout
-        except ValueError as err:
-            reasons.append(f"{layout}: {err}")
-    raise ValueError(f"no layout for a world of {n} workers ({'; '.join(reasons)}); give one with --layout-for {n}:LAYOUT")
+    from shardshift.elastic import policy
+
+    same = [(layout, seconds) for layout, seconds in observed if layout.world_size == n] or list(observed)
+    model = policy.calibrate([(cfg, layout, seconds) for layout, seconds in same])
+    return policy.choose_layout(n, cfg, model, ecfg.memory_per_worker, ecfg.redundancy)
 
 
-def check_every_world(ecfg: ElasticConfig, check) -> dict[int, Layout]:
-    """The layout of every world size from --min-nproc to --max-nproc; ValueError naming the first
-    size that has none."""
-    return {n: layout_for(n, ecfg, check) for n in range(ecfg.min_nproc, ecfg.max_nproc + 1)}
+def check_every_world(ecfg: ElasticConfig, cfg: TrainConfig) -> dict[int, Layout]:
+    """The layout of every world size from --min-nproc to --max-nproc (before any step is
+    measured); ValueError naming the first size that has none."""
+    return {n: layout_for(n, ecfg, cfg) for n in range(ecfg.min_nproc, ecfg.max_nproc + 1)}

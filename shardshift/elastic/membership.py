@@ -59,19 +59,22 @@ class Epoch:
     previous: tuple[int, ...] = ()
     previous_layout: Layout | None = None
     previous_ranks: tuple[int, ...] = ()
+    observed: tuple[tuple[Layout, float], ...] = ()  # the job's measured steps the layout was chosen by
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "members": list(self.members), "layout": str(self.layout),
                            "step": self.step, "kind": self.kind, "admitted": self.admitted,
                            "previous": list(self.previous), "previous_ranks": list(self.previous_ranks),
-                           "previous_layout": None if self.previous_layout is None else str(self.previous_layout)})
+                           "previous_layout": None if self.previous_layout is None else str(self.previous_layout),
+                           "observed": [[str(layout), seconds] for layout, seconds in self.observed]})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Epoch:
         d = json.loads(text)
         previous_layout = None if d["previous_layout"] is None else Layout.parse(d["previous_layout"])
         return cls(d["number"], tuple(d["members"]), Layout.parse(d["layout"]), d["step"], d["kind"], d["admitted"],
-                   tuple(d["previous"]), previous_layout, tuple(d["previous_ranks"]))
+                   tuple(d["previous"]), previous_layout, tuple(d["previous_ranks"]),
+                   tuple((Layout.parse(layout), seconds) for layout, seconds in d["observed"]))
 
     @property
     def world_size(self) -> int:

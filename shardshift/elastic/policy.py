@@ -54,6 +54,7 @@ LOGIT_COPIES = 2  # the logits and their log-softmax, vocab_size values per toke
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket: one all-reduce each
 RIDGE = 1e-6  # weight of the pull towards the scaled prior, in units of relative step-time error
 TIE_DIGITS = 9  # predictions that agree to this many significant digits are a tie
+NEAR = 0.05  # layouts predicted within this fraction of the best are as good: the simplest is taken
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -153,12 +154,16 @@ def activation_bytes(cfg: TrainConfig, layout: Layout) -> tuple[int, ...]:
     return tuple(out)
 
 
-def state_bytes_per_rank(cfg: TrainConfig, layout: Layout) -> int:
-    """The most bytes any rank of `layout` holds: parameters, gradients, AdamW moments and activations.
-    ValueError if the model or the batch cannot take `layout`."""
+def state_bytes_per_rank(cfg: TrainConfig, layout: Layout, redundancy: int = 0) -> int:
+    """The most bytes any rank of `layout` holds: parameters, gradients, AdamW moments and activations,
+    and with `redundancy` K the copies it keeps of other ranks' pieces (`elastic.redundancy`: a piece
+    has dp holders already, and gets copies until K + 1 hold it; a copy and its gradient buffer take
+    what the piece, its gradient and its moments take). ValueError if the model or the batch cannot
+    take `layout`."""
     activations = activation_bytes(cfg, layout)
     held = _held(cfg.model, cfg.param_dtype, layout)
-    return max(state + activations[coord.pp] for (_, state), coord in zip(held, layout.coords()))
+    copies = max(0, min(redundancy, layout.world_size - 1) - (layout.dp - 1))
+    return max(state * (1 + copies) + activations[coord.pp] for (_, state), coord in zip(held, layout.coords()))
 
 
 # ---- time --------------------------------------------------------------------------------------
@@ -241,8 +246,8 @@ def _tie(seconds: float) -> float:
     return float(f"{seconds:.{TIE_DIGITS}g}")
 
 
-def explain(n: int, cfg: TrainConfig, model: CostModel,
-            memory_limit: int | None) -> list[tuple[Layout, float | None, int, str]]:
+def explain(n: int, cfg: TrainConfig, model: CostModel, memory_limit: int | None,
+            redundancy: int = 0) -> list[tuple[Layout, float | None, int, str]]:
     """Every layout of `n` ranks as (layout, predicted seconds per step, bytes of the busiest rank,
     why it is rejected or ""), the layouts that fit first, best first: by predicted time (a tie
     within `TIE_DIGITS` digits goes to fewer pp, then fewer tp, then the name). A layout the model
@@ -252,7 +257,7 @@ def explain(n: int, cfg: TrainConfig, model: CostModel,
     rows = []
     for layout in all_layouts(n):
         try:
-            need = state_bytes_per_rank(cfg, layout)
+            need = state_bytes_per_rank(cfg, layout, redundancy)
         except ValueError as err:
             rows.append((layout, None, 0, str(err)))
             continue
@@ -268,12 +273,18 @@ def explain(n: int, cfg: TrainConfig, model: CostModel,
     return sorted(rows, key=key)
 
 
-def choose_layout(n: int, cfg: TrainConfig, model: CostModel, memory_limit: int | None) -> Layout:
-    """The layout of `n` ranks with the least predicted step time among those the model and batch
-    take and whose busiest rank holds at most `memory_limit` bytes (None: no limit)."""
-    rows = explain(n, cfg, model, memory_limit)
+def choose_layout(n: int, cfg: TrainConfig, model: CostModel, memory_limit: int | None,
+                  redundancy: int = 0) -> Layout:
+    """The layout of `n` ranks the model and batch take, whose busiest rank holds at most
+    `memory_limit` bytes (None: no limit; `redundancy`: the copies it keeps count), and that is
+    predicted to step fastest. Predictions within `NEAR` of the best are taken as equal (the model
+    is not that precise): among them, the fewest pipeline stages, then the least tensor
+    parallelism, then the name (``dp=2,fsdp=2`` before ``dp=4`` before ``fsdp=4``)."""
+    rows = explain(n, cfg, model, memory_limit, redundancy)
     if rows[0][3] == "":
-        return rows[0][0]
+        best = rows[0][1]
+        near = [row for row in rows if row[3] == "" and row[1] <= best * (1 + NEAR)]
+        return min(near, key=lambda row: (row[0].pp, row[0].tp, str(row[0])))[0]
     reasons = "; ".join(f"{layout}: {why}" for layout, _, _, why in rows)
     more = ", or allow more memory per rank" if any(s is not None for _, s, _, _ in rows) else ""
     raise ValueError(f"no layout of {n} workers fits ({reasons}); give one with --layout-for {n}:LAYOUT{more}")

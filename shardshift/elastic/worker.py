@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ import torch.distributed as dist
 
 from shardshift.console import say
 from shardshift.elastic import membership
-from shardshift.elastic.config import ElasticConfig, layout_for
+from shardshift.elastic.config import ElasticConfig, Observed, layout_for
 from shardshift.elastic.membership import Epoch
 from shardshift.elastic.redundancy import Copies, Duty, copy_duties, plan_copies
 from shardshift.layout import Layout
@@ -84,6 +85,7 @@ class _Control:
 
     stop: int  # the signal the coordinator passed on (0: none)
     joins: int  # joiners to admit now
+    step_seconds: float  # the step just taken, on the slowest rank
     leaving: tuple[int, ...]  # ranks that leave on notice
     noticed_at: float  # on this rank: when its own signal arrived (0: none)
 
@@ -111,28 +113,31 @@ def _backend() -> str:
 
 def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
                 old_ranks: tuple[int, ...], leaving: set[int], joiners: list[int], number: int, kind: str, step: int,
-                admitted: int, lost: frozenset[int] = frozenset(), copies: tuple[Duty, ...] = ()) -> _Change:
+                admitted: int, lost: frozenset[int] = frozenset(), copies: tuple[Duty, ...] = (),
+                observed: Observed = ()) -> _Change:
     """The next world and the plan that moves the state into it. Pure, and the same on every
     worker of the old and the new world: its inputs are in the epoch's record (`Epoch`).
 
     `old_members`: worker ids in the old world's rank order; `old_ranks`: the old world's rank at
     each coordinate of `old_layout`; `leaving`: worker ids that go on notice; `joiners`: ids that
     come; `lost`: ids that crashed (their pieces come from replicas, or from the `copies` the old
-    world kept (`--redundancy`, by old rank); ValueError if one has none).
+    world kept (`--redundancy`, by old rank); ValueError if one has none); `observed`: the job's
+    measured steps, which the layout policy is calibrated on (`config.layout_for`).
     The plan's processes are the workers that stay (old rank order), the joiners, then the lost,
     so that the move group's ranks are the plan's first processes."""
     union = tuple(m for m in old_members if m not in lost) + tuple(sorted(joiners)) + \
         tuple(m for m in old_members if m in lost)
     where = {m: u for u, m in enumerate(union)}
     members = [u for u, m in enumerate(union) if m not in leaving and m not in lost]
-    layout = layout_for(len(members), ecfg, cfg.with_layout)
+    layout = layout_for(len(members), ecfg, cfg, observed)
     new_cfg = cfg.with_layout(layout)
     space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
     old = Assignment(old_layout, tuple(where[old_members[r]] for r in old_ranks), len(union))
     plan = plan_transition(space, old, layout, members=members, lost=[where[m] for m in lost],
                            copies=plan_copies(space, copies, lambda rank: where[old_members[rank]]))
     epoch = Epoch(number, tuple(union[u] for u in plan.new.ranks), layout, step, kind, admitted,
-                  previous=tuple(old_members), previous_layout=old_layout, previous_ranks=tuple(old_ranks))
+                  previous=tuple(old_members), previous_layout=old_layout, previous_ranks=tuple(old_ranks),
+                  observed=observed)
     return _Change(epoch, union, plan, old_layout, new_cfg, len(lost))
 
 
@@ -148,6 +153,11 @@ class ElasticWorker:
         self.metrics: Metrics | None = None
         self.signals = Signals()
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
+        # The job's measured step times (the slowest rank's), by layout, the same on every worker of
+        # the world: the layout policy's calibration (`_observed`). A world's first step is left
+        # out (it pays for warming up); a new world starts from what its epoch was chosen by.
+        self.step_times: dict[Layout, list[float]] = {}
+        self.steps_in_world = 0
 
     # ---- starting ------------------------------------------------------------------------------
 
@@ -191,7 +201,7 @@ class ElasticWorker:
         change = plan_change(self.cfg, self.ecfg, epoch.previous, epoch.previous_layout, epoch.previous_ranks,
                              set(epoch.previous) - set(epoch.members),
                              [m for m in epoch.members if m not in epoch.previous], epoch.number, epoch.kind,
-                             epoch.step, epoch.admitted)
+                             epoch.step, epoch.admitted, observed=epoch.observed)
         assert change.epoch == epoch, (change.epoch, epoch)
         self._move(change, time.monotonic(), detect_s=waited)
         return True
@@ -209,7 +219,8 @@ class ElasticWorker:
                                                 applied=self.copies.step if self.copies is not None else None)
                     if rank == 0:
                         report_step(trainer.cfg, result, self.metrics)
-                    control = self._control(trainer.progress.step, rank)
+                    control = self._control(trainer.progress.step, rank, result.step_time_s)
+                    self._observe(control.step_seconds)
                 except (RuntimeError, StepAborted) as err:  # a collective broke, or the vote failed
                     if isinstance(err, (Diverged, LostState)):
                         raise
@@ -299,7 +310,8 @@ class ElasticWorker:
         duties = self.copies.duties if self.copies is not None else ()
         try:
             change = plan_change(self.cfg, self.ecfg, epoch.members, trainer.cfg.layout, trainer.par.ranks, set(), [],
-                                 epoch.number + 1, "crash", trainer.progress.step, epoch.admitted, lost, duties)
+                                 epoch.number + 1, "crash", trainer.progress.step, epoch.admitted, lost, duties,
+                                 self._observed())
         except ValueError as no_copy:
             self._restart_from_checkpoint(survivors, lost, no_copy, noticed, detect)
             return
@@ -319,12 +331,12 @@ class ElasticWorker:
                       if self.ecfg.redundancy else "")
             raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}{beyond}; "
                             "there is no checkpoint either (give --save)", None)
-        layout = layout_for(len(survivors), self.ecfg, cfg.with_layout)
+        layout = layout_for(len(survivors), self.ecfg, cfg, self._observed())
         new_cfg = cfg.with_layout(layout)
         step_before = trainer.progress.step
         next_epoch = Epoch(epoch.number + 1, tuple(survivors), layout, step_before, "crash", epoch.admitted,
                            previous=epoch.members, previous_layout=trainer.cfg.layout,
-                           previous_ranks=tuple(trainer.par.ranks))
+                           previous_ranks=tuple(trainer.par.ranks), observed=self._observed())
         trainer.release_runtime()
         self.trainer = trainer = self.copies = None
         if self.metrics is not None:
@@ -338,7 +350,7 @@ class ElasticWorker:
         self.cfg = new_cfg
         self.trainer = Trainer(new_cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
         checkpoint.load(self.trainer, newest[0])
-        self.epoch = dataclasses.replace(next_epoch, step=self.trainer.progress.step)
+        self._new_world(dataclasses.replace(next_epoch, step=self.trainer.progress.step))
         self._keep_copies(rank)
         pause = _worst(dist.group.WORLD, [time.monotonic() - noticed, detect])
         self._opened(rank, {"kind": "crash", "from_world": epoch.world_size, "to_world": len(survivors),
@@ -347,7 +359,7 @@ class ElasticWorker:
                             "steps_lost": step_before - self.trainer.progress.step,
                             "recovered_from": "checkpoint", "checkpoint": str(newest[0])})
 
-    def _control(self, step: int, rank: int) -> _Control:
+    def _control(self, step: int, rank: int, step_seconds: float) -> _Control:
         """The after-step exchange (module docstring); scripted events are acted out first."""
         inject = self._inject(step, "leave")
         if inject is not None and rank in inject.ranks:
@@ -356,18 +368,19 @@ class ElasticWorker:
             while not self.signals.received and time.monotonic() < deadline:
                 time.sleep(0.001)
         n = self.epoch.world_size
-        vector = torch.zeros(2 + n, dtype=torch.int64)
+        vector = torch.zeros(3 + n, dtype=torch.int64)
         if rank == 0:
             vector[0] = membership.read_int(self.store, "stop")
             vector[1] = self._joins_now(self._inject(step, "join"), step)
+        vector[2] = round(step_seconds * 1e6)
         if self.signals.received:
-            vector[2 + rank] = 1
+            vector[3 + rank] = 1
         device = self.trainer.par.device
         vector = vector.to(device)
         dist.all_reduce(vector, op=dist.ReduceOp.MAX)
         values = vector.tolist()
-        leaving = tuple(r for r in range(n) if values[2 + r])
-        return _Control(values[0], values[1], leaving, self.signals.received_at)
+        leaving = tuple(r for r in range(n) if values[3 + r])
+        return _Control(values[0], values[1], values[2] / 1e6, leaving, self.signals.received_at)
 
     def _joins_now(self, inject, step: int) -> int:
         """Rank 0: how many joiners to admit at this boundary, their queue places written to
@@ -413,7 +426,7 @@ class ElasticWorker:
         admitted = max(places) + 1 if places else old.admitted
         change = plan_change(self.cfg, self.ecfg, old.members, trainer.cfg.layout, trainer.par.ranks, leaving,
                              [first + i for i in places], old.number + 1, "leave" if leaving else "join",
-                             trainer.progress.step, admitted)
+                             trainer.progress.step, admitted, observed=self._observed())
         if dist.get_rank() == 0:
             membership.announce(self.store, change.epoch, places)
         detect = decided_at - control.noticed_at if control.noticed_at else 0.0
@@ -454,7 +467,7 @@ class ElasticWorker:
         clock.times["model_and_transfer"] -= stats.seconds
         del old_state, copies
         self.copies = None
-        self.epoch = change.epoch
+        self._new_world(change.epoch)
         if state is not None:
             self.cfg = change.cfg
             self.trainer = Trainer(change.cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s,
@@ -474,6 +487,22 @@ class ElasticWorker:
                             "to": str(change.epoch.layout), "detect_seconds": worst[1], "pause_seconds": worst[0],
                             "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from,
                             "phases": dict(zip(PHASES, worst[2:]))})
+
+    def _observe(self, seconds: float) -> None:
+        if self.steps_in_world:
+            self.step_times.setdefault(self.trainer.cfg.layout, []).append(seconds)
+        self.steps_in_world += 1
+
+    def _observed(self) -> Observed:
+        """Per layout the job ran under, the median of its measured steps (sorted by layout)."""
+        return tuple(sorted(((layout, statistics.median(times)) for layout, times in self.step_times.items() if times),
+                            key=lambda item: str(item[0])))
+
+    def _new_world(self, epoch: Epoch) -> None:
+        """Every worker of a new world starts from the same measurements: those its epoch records."""
+        self.epoch = epoch
+        self.step_times = {layout: [seconds] for layout, seconds in epoch.observed}
+        self.steps_in_world = 0
 
     def _keep_copies(self, rank: int) -> None:
         """With --redundancy: decide the copies of this world and fill them (a collective)."""

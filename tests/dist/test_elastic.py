@@ -6,6 +6,7 @@ the job alive (checked by PID)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ STEPS = 8
 RUN = ["--model", "test", "--dtype", "float64", "--global-batch", "6", "--seed", "4", "--steps", str(STEPS),
        "--log-every", "1"]
 RTOL = 1e-9
+SHARDED = ["--layout-for", "4:fsdp=4", "--layout-for", "3:fsdp=3", "--layout-for", "2:fsdp=2"]  # no replicas
 
 
 def _train(tmp_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -59,7 +61,7 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     fixed = _train(tmp_path, "--nproc", "4", "--layout", "fsdp=4", "--metrics", str(tmp_path / "fixed.jsonl"),
                    "--save", str(tmp_path / "fixed"), "--log-dir", str(tmp_path / "fixed-logs"), timeout=budget.left())
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1",
+    run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1", *SHARDED,
                  "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
                  "--metrics", str(tmp_path / "elastic.jsonl"), "--save", str(tmp_path / "elastic"),
                  "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
@@ -96,7 +98,7 @@ def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, bud
     fixed = _train(tmp_path, "--nproc", "3", "--layout", "fsdp=3", "--save", str(tmp_path / "fixed"),
                    "--log-dir", str(tmp_path / "fixed-logs"), timeout=budget.left())
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    run = _train(tmp_path, "--elastic", "--nproc", "3", "--max-nproc", "3", "--inject", "3:leave=2",
+    run = _train(tmp_path, "--elastic", "--nproc", "3", "--max-nproc", "3", *SHARDED, "--inject", "3:leave=2",
                  "--inject", "4:join=1", "--save", str(tmp_path / "elastic"), "--save-every", "1",
                  "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
@@ -104,6 +106,37 @@ def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, bud
     elastic, reference = _final_state(tmp_path / "elastic"), _final_state(tmp_path / "fixed")
     for key in (k for k in reference if k.startswith(("param:", "exp_avg"))):
         torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
+    assert _all_gone(str(tmp_path))
+
+
+def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_given(tmp_path, budget):
+    """No --layout-for: the layout policy picks each world's layout. Under --memory-per-worker
+    500K the test model's state replicated on every worker does not fit (the policy's first choice
+    without a limit), so both worlds get a sharded layout; each is the one the policy computes
+    from the same command line (calibrating on one layout's steps only scales the prices, which
+    keeps the choice), and the losses stay the fixed run's."""
+    from shardshift.cli.main import build_parser
+    from shardshift.cli.train import elastic_job
+    from shardshift.elastic.config import check_every_world
+
+    argv = ["train", *RUN[:-4], "--steps", "4", "--log-every", "1", "--elastic", "--nproc", "4",
+            "--memory-per-worker", "500K"]
+    _, cfg, ecfg = elastic_job(build_parser(argv).parse_args(argv))
+    expected = check_every_world(ecfg, cfg)
+    unlimited = check_every_world(dataclasses.replace(ecfg, memory_per_worker=None), cfg)
+    assert expected[4] != unlimited[4] and expected[3] != unlimited[3]
+    fixed = _train(tmp_path, "--nproc", "1", "--steps", "4", "--metrics", str(tmp_path / "fixed.jsonl"),
+                   timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-m", "shardshift", *argv, "--inject", "2:leave=3", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs")],
+                         capture_output=True, text=True, timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert f"elastically under {expected[4]} on 4 cpu workers" in run.stdout
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["from"], e["to"]) for e in events] == [(str(expected[4]), str(expected[3]))]
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
     assert _all_gone(str(tmp_path))
 
 
@@ -133,7 +166,7 @@ def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_
     the uninterrupted run's."""
     fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    run = _train(tmp_path, "--elastic", "--nproc", "2", "--inject", "4:kill=1", "--save", str(tmp_path / "ckpt"),
+    run = _train(tmp_path, "--elastic", "--nproc", "2", *SHARDED, "--inject", "4:kill=1", "--save", str(tmp_path / "ckpt"),
                  "--save-every", "2", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
                  timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
@@ -151,7 +184,7 @@ def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_
 def test_more_crashes_at_once_than_the_redundancy_covers_stop_the_job_saying_so(tmp_path, budget):
     """fsdp=4 with --redundancy 1: ranks 1 and 2 are SIGKILLed inside the same step; rank 1's
     pieces were only on ranks 1 and 2, and there is no checkpoint: the job stops, naming both."""
-    run = _train(tmp_path, "--elastic", "--nproc", "4", "--redundancy", "1", "--inject", "3:kill=1,2",
+    run = _train(tmp_path, "--elastic", "--nproc", "4", *SHARDED, "--redundancy", "1", "--inject", "3:kill=1,2",
                  "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
     assert run.returncode == 1, run.stderr[-3000:]
     assert "workers [1, 2] were lost after step 2 and " in run.stderr

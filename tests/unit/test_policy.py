@@ -11,6 +11,7 @@ from shardshift.elastic.policy import (
     ACTIVATION_VALUES,
     DEFAULT,
     LOGIT_COPIES,
+    NEAR,
     CostModel,
     activation_bytes,
     calibrate,
@@ -155,7 +156,7 @@ def test_several_observations_recover_the_model():
 
 def test_cheap_bandwidth_replicates_and_dear_bandwidth_communicates_less():
     base = config(model_config("base"), global_batch=12)
-    assert choose_layout(4, base, CostModel(1e-9, 0.0, 1e-6), None) == Layout(dp=4)
+    assert choose_layout(4, base, CostModel(1e-12, 0.0, 1e-2), None) == Layout(dp=4)  # the fewest calls
     dear = choose_layout(4, base, CostModel(1e-15, 1e-6, 0.0), None)
     valid = [layout for layout, seconds, _, _ in explain(4, base, DEFAULT, None) if seconds is not None]
     least = min(step_features(base, layout).comm_bytes for layout in valid)
@@ -171,6 +172,19 @@ def test_ties_are_broken_deterministically():
     assert fitting == sorted(fitting, key=lambda layout: (layout.pp, layout.tp, str(layout)))
     assert choose_layout(4, cfg, free, None) == Layout(dp=2, fsdp=2)  # pp=1, tp=1, first by name
     assert all(choose_layout(4, cfg, free, None) == fitting[0] for _ in range(3))
+
+
+def test_layouts_predicted_within_a_few_percent_of_the_best_go_to_the_simplest():
+    base = config(model_config("base"), global_batch=12)
+    rows = [(layout, seconds) for layout, seconds, _, why in explain(4, base, DEFAULT, None) if not why]
+    best = rows[0][1]
+    chosen = choose_layout(4, base, DEFAULT, None)
+    near = [layout for layout, seconds in rows if seconds <= best * (1 + NEAR)]
+    assert chosen in near and len(near) > 1
+    assert chosen == min(near, key=lambda layout: (layout.pp, layout.tp, str(layout)))
+    # With redundancy, a replicated layout needs no copies and a sharded one does.
+    assert state_bytes_per_rank(base, Layout(dp=2, fsdp=2), redundancy=1) == state_bytes_per_rank(base, Layout(dp=2, fsdp=2))
+    assert state_bytes_per_rank(base, Layout(fsdp=4), redundancy=1) > state_bytes_per_rank(base, Layout(fsdp=4))
 
 
 def test_nothing_fits():
