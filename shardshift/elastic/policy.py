@@ -46,7 +46,7 @@ from shardshift.layout import Layout, all_layouts
 from shardshift.reshard.plan import Assignment, holdings_of
 from shardshift.train.config import DTYPES, TrainConfig
 from shardshift.train.model import ModelConfig
-from shardshift.train.space import MOMENTS, GPTSpace, stage_blocks, uses_fsdp
+from shardshift.train.space import MOMENTS, gpt_space, stage_blocks, uses_fsdp
 from shardshift.units import format_size
 
 ACTIVATION_VALUES = 16  # values of width d_model a layer keeps per token for its backward (estimate)
@@ -104,16 +104,11 @@ DEFAULT = CostModel(seconds_per_compute=3e-11, seconds_per_byte=1e-9, seconds_pe
 # ---- memory ------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _space(model: ModelConfig, dtype: torch.dtype) -> GPTSpace:
-    return GPTSpace(model, dtype)
-
-
 @functools.lru_cache(maxsize=256)
 def _held(model: ModelConfig, dtype: torch.dtype, layout: Layout) -> tuple[tuple[int, int], ...]:
     """Per rank of `layout`: (bytes of its parameter pieces, bytes of its pieces of parameters,
     gradients and both moments)."""
-    space = _space(model, dtype)
+    space = gpt_space(model, dtype)
     out = []
     for boxes in holdings_of(space, Assignment.identity(layout)):
         params = state = 0

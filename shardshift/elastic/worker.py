@@ -65,7 +65,7 @@ from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
 from shardshift.train.parallelize import build_parallel, forget_old_meshes
 from shardshift.train.run import Metrics, RunFailed, Signals, Stopped, exit_status, report_step, resume_point
-from shardshift.train.space import GPTSpace
+from shardshift.train.space import gpt_space
 from shardshift.train.state import LostState
 from shardshift.train.switch import switch_world
 from shardshift.train.trainer import Diverged, StepAborted, Trainer
@@ -131,7 +131,7 @@ def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, .
     members = [u for u, m in enumerate(union) if m not in leaving and m not in lost]
     layout = layout_for(len(members), ecfg, cfg, observed)
     new_cfg = cfg.with_layout(layout)
-    space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
+    space = gpt_space(new_cfg.model, new_cfg.param_dtype)
     old = Assignment(old_layout, tuple(where[old_members[r]] for r in old_ranks), len(union))
     plan = plan_transition(space, old, layout, members=members, lost=[where[m] for m in lost],
                            copies=plan_copies(space, copies, lambda rank: where[old_members[rank]]))
@@ -509,7 +509,7 @@ class ElasticWorker:
         if not self.ecfg.redundancy:
             return
         trainer = self.trainer
-        space = GPTSpace(trainer.cfg.model, trainer.cfg.param_dtype)
+        space = gpt_space(trainer.cfg.model, trainer.cfg.param_dtype)
         duties = copy_duties(space, trainer.assignment, self.ecfg.redundancy)
         self.copies = Copies(trainer.state, space, trainer.assignment, duties, rank, dist.group.WORLD, self.timeout_s)
         self.copies.fill()

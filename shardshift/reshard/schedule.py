@@ -97,29 +97,36 @@ class SwitchSchedule:
 
     def messages(self, index: int, rank: int) -> tuple[list[Message], list[Message], list[Segment]]:
         """(messages `rank` sends, messages it receives, its local copies) in round `index`."""
-        by_pair: dict[tuple[int, int], list[Segment]] = {}
-        local = []
-        for seg in self.rounds[index].segments:
-            if seg.local:
-                if seg.dst == rank:
-                    local.append(seg)
-            elif rank in (seg.src, seg.dst):
-                by_pair.setdefault((seg.src, seg.dst), []).append(seg)
-        sends, recvs = [], []
-        for (src, dst), segs in sorted(by_pair.items()):
-            offsets, end, packed = [], 0, []
-            out = sends if src == rank else recvs
-            for seg in segs:
-                nbytes = self.plan.segment_bytes(seg)
-                if nbytes >= self.direct_bytes:
-                    out.append(Message(src, dst, (seg,), (0,), align(nbytes), direct=True))
-                    continue
-                packed.append(seg)
-                offsets.append(end)
-                end = align(end + nbytes)
-            if packed:
-                out.append(Message(src, dst, tuple(packed), tuple(offsets), end))
-        return sends, recvs, local
+        return self._round_messages[index].get(rank, ([], [], []))
+
+    @functools.cached_property
+    def _round_messages(self) -> list[dict[int, tuple[list[Message], list[Message], list[Segment]]]]:
+        """Per round, per process: `messages`, worked out once for every process."""
+        out = []
+        for rnd in self.rounds:
+            by_pair: dict[tuple[int, int], list[Segment]] = {}
+            work: dict[int, tuple[list[Message], list[Message], list[Segment]]] = {}
+            for seg in rnd.segments:
+                if seg.local:
+                    work.setdefault(seg.dst, ([], [], []))[2].append(seg)
+                else:
+                    by_pair.setdefault((seg.src, seg.dst), []).append(seg)
+            for (src, dst), segs in sorted(by_pair.items()):
+                messages, offsets, end, packed = [], [], 0, []
+                for seg in segs:
+                    nbytes = self.plan.segment_bytes(seg)
+                    if nbytes >= self.direct_bytes:
+                        messages.append(Message(src, dst, (seg,), (0,), align(nbytes), direct=True))
+                        continue
+                    packed.append(seg)
+                    offsets.append(end)
+                    end = align(end + nbytes)
+                if packed:
+                    messages.append(Message(src, dst, tuple(packed), tuple(offsets), end))
+                work.setdefault(src, ([], [], []))[0].extend(messages)
+                work.setdefault(dst, ([], [], []))[1].extend(messages)
+            out.append(work)
+        return out
 
     def _first_cost(self, index: int, rank: int) -> int:
         """What the first segment of round `index` costs `rank`: the pieces it opens, its buffers."""

@@ -77,6 +77,13 @@ def uses_fsdp(layout: Layout) -> bool:
     return not replicate_only and layout.data_parallel > 1
 
 
+@functools.lru_cache(maxsize=8)
+def gpt_space(cfg: ModelConfig, param_dtype: torch.dtype) -> "GPTSpace":
+    """The `GPTSpace` of a model and dtype, built once per process (it builds the model on the meta
+    device to list its parameters)."""
+    return GPTSpace(cfg, param_dtype)
+
+
 class GPTSpace:
     """`StateSpace` of a GPT trained with AdamW under ShardShift's layouts.
 

@@ -42,7 +42,7 @@ from shardshift.reshard.schedule import DEFAULT_BUDGET, SwitchSchedule, build_sc
 from shardshift.train.config import TrainConfig
 from shardshift.train.optim import build_optimizer
 from shardshift.train.parallelize import Parallel, build_parallel, build_stage_skeleton, materialize
-from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, GPTSpace
+from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, GPTSpace, gpt_space
 from shardshift.train.state import Progress, TrainingState, local
 
 
@@ -186,7 +186,7 @@ def prepare_switch(cfg: TrainConfig, state: TrainingState, rank: int, layout: La
     """
     start = time.perf_counter()
     new_cfg = cfg.with_layout(layout)  # refuses a batch the new layout cannot split
-    space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
+    space = gpt_space(new_cfg.model, new_cfg.param_dtype)
     plan = plan_transition(space, Assignment(cfg.layout, state.par.ranks), layout)
     schedule = build_schedule(plan, budget)
     par = build_parallel(layout, rank, state.par.device.type, plan.new.ranks)
@@ -244,7 +244,7 @@ def switch_world(old: TrainingState | None, plan: TransitionPlan, process: int, 
     logical tensor `key`, for a plan that takes pieces from copies. The new model and AdamW state are built with no storage and filled as
     `switch_state` fills them; `old` is consumed as there.
     """
-    space = GPTSpace(new_cfg.model, new_cfg.param_dtype)
+    space = gpt_space(new_cfg.model, new_cfg.param_dtype)
     program = compile_program(build_schedule(plan, budget), process)
     sink = model = None
     if new_par is not None:

@@ -111,7 +111,7 @@ def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, bud
 
 def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_given(tmp_path, budget):
     """No --layout-for: the layout policy picks each world's layout. Under --memory-per-worker
-    500K the test model's state replicated on every worker does not fit (the policy's first choice
+    900K the test model's state replicated on every worker does not fit (the policy's first choice
     without a limit), so both worlds get a sharded layout; each is the one the policy computes
     from the same command line (calibrating on one layout's steps only scales the prices, which
     keeps the choice), and the losses stay the fixed run's."""
@@ -120,7 +120,7 @@ def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_giv
     from shardshift.elastic.config import check_every_world
 
     argv = ["train", *RUN[:-4], "--steps", "4", "--log-every", "1", "--elastic", "--nproc", "4",
-            "--memory-per-worker", "500K"]
+            "--min-nproc", "3", "--memory-per-worker", "900K"]
     _, cfg, ecfg = elastic_job(build_parser(argv).parse_args(argv))
     expected = check_every_world(ecfg, cfg)
     unlimited = check_every_world(dataclasses.replace(ecfg, memory_per_worker=None), cfg)
