@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 Observed = tuple[tuple[Layout, float], ...]  # measured step times of this job: (layout, seconds)
 
-INJECT_KINDS = ("join", "leave", "kill")
+INJECT_KINDS = ("join", "leave", "kill", "term")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,9 @@ class Inject:
     """A scripted membership event at the step boundary after step `step` (tests and demos):
     ``join=N``: N workers started by the coordinator are admitted there (the job waits for them
     if they are not ready yet); ``leave=R[,R...]``: the workers of those ranks get a real SIGTERM;
-    ``kill=R[,R...]``: the workers of those ranks get a real SIGKILL inside that step."""
+    ``kill=R[,R...]``: the workers of those ranks get a real SIGKILL inside that step;
+    ``term=R[,R...]``: the workers of those ranks get a real SIGTERM while the first change of
+    world after that step moves the state (they leave at the boundary after it)."""
 
     step: int
     kind: str
@@ -34,8 +36,8 @@ class Inject:
     def parse(cls, text: str) -> Inject:
         match = re.fullmatch(r"\s*(\d+)\s*:\s*(\w+)\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*", text)
         if match is None or match.group(2) not in INJECT_KINDS or (match.group(2) == "join" and "," in match.group(3)):
-            raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK[,RANK...] or "
-                             "STEP:kill=RANK[,RANK...]; write e.g. --inject 5:leave=3")
+            raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK[,RANK...], "
+                             "STEP:kill=RANK[,RANK...] or STEP:term=RANK[,RANK...]; write e.g. --inject 5:leave=3")
         step, kind = int(match.group(1)), match.group(2)
         values = tuple(int(v) for v in match.group(3).split(","))
         if step < 1:

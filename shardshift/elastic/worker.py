@@ -439,6 +439,7 @@ class ElasticWorker:
         process = change.union.index(self.member)
         group = membership.move_group(self.store, change.epoch, process, change.movers, self.timeout_s)
         clock.lap("move_group")
+        self._notice_while_moving(change.epoch)
         old_state, copies = None, None
         if self.copies is not None:
             kept, previous = self.copies, change.epoch.previous
@@ -487,6 +488,17 @@ class ElasticWorker:
                             "to": str(change.epoch.layout), "detect_seconds": worst[1], "pause_seconds": worst[0],
                             "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from,
                             "phases": dict(zip(PHASES, worst[2:]))})
+
+    def _notice_while_moving(self, epoch: Epoch) -> None:
+        """A scripted ``term``: a real SIGTERM to this worker while the state moves (the handler
+        only notes it: the move completes, and the worker leaves at the next step boundary)."""
+        if self.member not in epoch.previous:
+            return
+        rank = epoch.previous.index(self.member)
+        for inject in self.ecfg.injects:
+            if inject.kind == "term" and inject.step <= epoch.step and rank in inject.ranks:
+                if self.store.compare_set(f"inject/{inject}/fired/{rank}", "", "1").decode() == "1":
+                    os.kill(os.getpid(), signal.SIGTERM)
 
     def _observe(self, seconds: float) -> None:
         if self.steps_in_world:

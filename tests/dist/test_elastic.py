@@ -140,6 +140,28 @@ def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_giv
     assert _all_gone(str(tmp_path))
 
 
+def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_path, budget):
+    """Worker 3 leaves after step 3 (4 -> 3); while that change moves the state, worker 1 gets a
+    real SIGTERM. The move completes; worker 1 leaves after step 4 (3 -> 2), and the losses stay
+    the fixed run's."""
+    fixed = _train(tmp_path, "--nproc", "1", "--steps", "6", "--metrics", str(tmp_path / "fixed.jsonl"),
+                   timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = _train(tmp_path, "--steps", "6", "--elastic", "--nproc", "4", *SHARDED, "--inject", "3:leave=3",
+                 "--inject", "2:term=1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
+                 str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [
+        (3, "leave", 4, 3), (4, "leave", 3, 2)]
+    assert "worker 1 left after step 4" in run.stderr
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    assert sorted(got) == list(range(1, 7))
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
+                               rtol=RTOL, atol=0)
+    assert _all_gone(str(tmp_path))
+
+
 def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget):
     """dp=2,fsdp=2: rank 1's shards are also on rank 3. Rank 1 is SIGKILLed inside step 3; the
     three survivors go on under fsdp=3, rank 1's pieces sent by rank 3, step 3 run again."""

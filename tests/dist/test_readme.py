@@ -26,8 +26,8 @@ SMOKE: dict[str, list[str] | str] = {
     "torchrun --nproc-per-node 4 -m shardshift train --layout tp=4": "dist/test_torchrun.py::test_torchrun_matches_the_local_launcher",
     "shardshift train --nproc 4 --layout dp=4 --switch 20:fsdp=2,tp=2 --switch 35:tp=2,pp=2 --metrics run.jsonl":
         "dist/test_torchrun.py::test_torchrun_matches_the_local_launcher",
-    "shardshift train --elastic --nproc 4 --max-nproc 4 --redundancy 1 --inject 2:leave=3 --inject 4:kill=1 "
-    "--inject 6:join=2 --steps 8":
+    "shardshift train --elastic --nproc 4 --max-nproc 4 --layout-for 4:fsdp=4 --layout-for 3:fsdp=3 "
+    "--layout-for 2:fsdp=2 --redundancy 1 --inject 2:leave=3 --inject 4:kill=1 --inject 6:join=2 --steps 8":
         "dist/test_elastic.py::test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes",
     "shardshift bench train --nproc 4 --layout dp=4": [*TINY, "--steps", "1", "--rounds", "1", "--warmup", "1",
                                                      "--also", "fsdp=2,tp=2", "--json"],
