@@ -67,7 +67,7 @@ from shardshift.train.parallelize import build_parallel, forget_old_meshes
 from shardshift.train.run import Metrics, RunFailed, Signals, Stopped, exit_status, report_step, resume_point
 from shardshift.train.space import gpt_space
 from shardshift.train.state import LostState
-from shardshift.train.switch import switch_world
+from shardshift.train.switch import switch_world, warm_up
 from shardshift.train.trainer import Diverged, StepAborted, Trainer
 
 
@@ -177,6 +177,7 @@ class ElasticWorker:
                                 "layout": str(cfg.layout)})
         self.epoch = dataclasses.replace(epoch, step=self.trainer.progress.step)
         self._keep_copies(proc.rank)
+        warm_up(cfg, self.trainer.par)  # a change's first model build, done now and not in its pause
         self.store.set(f"pid/{os.getpid()}", str(self.member))  # the coordinator names a crashed worker by it
         if proc.rank == 0:
             self.store.set("epoch/0", self.epoch.to_json())
@@ -189,6 +190,7 @@ class ElasticWorker:
         """Say this worker is ready, wait to be admitted, then move into that world; False if the
         job stopped or ended first. Its id follows the first world's: its place in the queue;
         `registered(id)` is called once it has one."""
+        warm_up(self.cfg, None, self.device_type)  # before it says it is ready: not in anyone's pause
         index = membership.register_joiner(self.store)
         self.member = int(self.store.get("config/nproc")) + index
         self.store.set(f"pid/{os.getpid()}", str(self.member))

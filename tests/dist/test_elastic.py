@@ -154,7 +154,7 @@ def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_p
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [
         (3, "leave", 4, 3), (4, "leave", 3, 2)]
-    assert "worker 1 left after step 4" in run.stderr
+    assert "worker 1 left after step 4" in (tmp_path / "logs" / "worker-1.log").read_text()
     got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
     assert sorted(got) == list(range(1, 7))
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
