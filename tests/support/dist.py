@@ -24,6 +24,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from shardshift.runtime import leave
+
 
 def _entry(rank: int, world_size: int, tmp: str, timeout_s: float, fn, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -34,15 +36,21 @@ def _entry(rank: int, world_size: int, tmp: str, timeout_s: float, fn, args) -> 
         "gloo", store=store, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    status = 1
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"result-{rank}.pt"))
+        status = 0
     except BaseException:
         with open(os.path.join(tmp, f"error-{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
-        raise
+        traceback.print_exc()
     finally:
         dist.destroy_process_group()
+    # As a rank of the CLI ends (`runtime.leave`): without the interpreter's teardown, which can
+    # meet gloo's threads still alive and abort the process ("terminate called without an active
+    # exception"), failing a rank that had finished.
+    leave(status)
 
 
 def run_distributed(world_size: int, fn, *args, timeout_s: float = 240.0, dying: frozenset[int] = frozenset()) -> list:
