@@ -1,6 +1,6 @@
 """`shardshift bench elastic`: bad input is refused before anything starts; the default suite runs end
-to end on the test model. No timing is asserted: every event and column must be there, no step
-lost, and every restart must have run."""
+to end on the test model, and a one-event run with its restart and the redundancy jobs. No timing
+is asserted: every event and column must be there, no step lost, and every restart must have run."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import json
 import subprocess
 import sys
 
+from shardshift.cli.main import main
+from shardshift.elastic.worker import PHASES
 from support import REPO
 
 
-def test_bad_input_exits_2_before_anything_starts(budget):
+def test_bad_input_exits_2_before_anything_starts(capsys):
     for args, needle in [
         (["--nproc", "3", "--suite"], "the default suite is for 4 workers"),
         (["--nproc", "2"], "no events: give --suite or --inject"),
@@ -19,14 +21,14 @@ def test_bad_input_exits_2_before_anything_starts(budget):
         (["--suite", "--inject", "1:leave=1"], "either --suite or --inject"),
         (["--suite", "--overhead-steps", "1"], "give 0 (skip) or at least 2"),
     ]:
-        run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", *args, "--model", "test"],
-                             capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
-        assert run.returncode == 2 and needle in run.stderr, (args, run.stderr)
+        assert main(["bench", "elastic", *args, "--model", "test"]) == 2, args
+        assert needle in capsys.readouterr().err, args
 
 
 def test_the_suite_reports_every_event_beside_its_restart(budget):
+    """The suite's six events (their restarts and the redundancy jobs: the next test)."""
     run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--suite", "--model", "test",
-                          "--global-batch", "6", "--json", "--timeout", "120", "--overhead-steps", "3"],
+                          "--global-batch", "6", "--json", "--timeout", "120", "--no-restart", "--overhead-steps", "0"],
                          capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
@@ -35,12 +37,25 @@ def test_the_suite_reports_every_event_beside_its_restart(budget):
         ("crash", 4, 3, "dp=2,fsdp=2", "fsdp=3", "replica"), ("leave", 3, 2, "fsdp=3", "fsdp=2", "none"),
         ("join", 2, 3, "fsdp=2", "fsdp=3", "none"), ("join", 3, 4, "fsdp=3", "dp=2,fsdp=2", "none"),
         ("crash", 4, 3, "dp=2,fsdp=2", "fsdp=3", "replica"), ("join", 3, 4, "fsdp=3", "dp=2,fsdp=2", "none")]
-    assert all(e["bytes_moved"] > 0 for e in events)
+    assert all(e["bytes_moved"] > 0 and e["steps_lost"] == 0 and e["pause_seconds"] > 0 for e in events)
     for e in events:
-        assert e["steps_lost"] == 0 and e["pause_seconds"] > 0 and e["restart_error"] is None, e
-        assert e["restart_seconds"] > 0 and e["restart_over_pause"] == e["restart_seconds"] / e["pause_seconds"]
-    assert set(out["geomean_restart_over_pause"]) == {"join_leave", "crash"}
+        assert set(e["phases"]) == set(PHASES) and e["pause_seconds"] >= max(e["phases"].values()), e
+        assert e["restart_seconds"] is None and e["restart_over_pause"] is None
+    assert out["redundancy_overhead"] is None and out["redundancy"] is None
+
+
+def test_an_event_is_timed_beside_its_restart_and_redundancy_beside_none(budget):
+    run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--nproc", "2", "--inject", "2:join=1",
+                          "--model", "test", "--global-batch", "6", "--json", "--timeout", "120", "--overhead-steps", "2"],
+                         capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    [event] = out["events"]
+    assert (event["kind"], event["from_world"], event["to_world"], event["steps_lost"]) == ("join", 2, 3, 0)
+    assert event["restart_error"] is None and event["restart_seconds"] > 0
+    assert event["restart_over_pause"] == event["restart_seconds"] / event["pause_seconds"]
+    assert out["geomean_restart_over_pause"] == {"join_leave": event["restart_over_pause"], "crash": None}
     redundancy = out["redundancy"]
-    assert redundancy["layout"] == "fsdp=4" and redundancy["steps"] == 3
+    assert redundancy["layout"] == "fsdp=2" and redundancy["steps"] == 2
     assert redundancy["step_seconds"] > 0 and redundancy["step_seconds_redundancy_1"] > 0
     assert out["redundancy_overhead"] == 1 - redundancy["step_seconds"] / redundancy["step_seconds_redundancy_1"]

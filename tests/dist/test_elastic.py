@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -29,6 +30,18 @@ SHARDED = ["--layout-for", "4:fsdp=4", "--layout-for", "3:fsdp=3", "--layout-for
 def _train(tmp_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory):
+    """The run every elastic run of RUN is compared with: one process, no event (the numerics
+    contract: any world computes what one process computes). Its metrics and final checkpoint."""
+    path = tmp_path_factory.mktemp("fixed")
+    run = subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, "--nproc", "1", "--metrics",
+                          str(path / "fixed.jsonl"), "--save", str(path / "ckpt")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return path
 
 
 def _job_pids(marker: str) -> list[int]:
@@ -51,16 +64,13 @@ def _final_state(ckpt) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget):
+def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed):
     """4 workers (fsdp=4, --redundancy 1: each worker's pieces also kept by the next); after step 2
     worker 3 gets SIGTERM and leaves (4 -> 3, fsdp=3); inside step 4 rank 1 is SIGKILLed before
     the step is committed (3 -> 2, its pieces from the copies rank 2 kept, step 4 run again); after
     step 6 two workers the coordinator started join (2 -> 4). The global batch of 6 splits
     unevenly among 4 workers. Losses and the final parameters and AdamW state equal the fixed
-    4-worker run's, and no step is lost. (Recovery from a layout's replicas: the next test.)"""
-    fixed = _train(tmp_path, "--nproc", "4", "--layout", "fsdp=4", "--metrics", str(tmp_path / "fixed.jsonl"),
-                   "--save", str(tmp_path / "fixed"), "--log-dir", str(tmp_path / "fixed-logs"), timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run's (one process: by the numerics contract, what any fixed world computes), and no step is lost. (Recovery from a layout's replicas: the next test.)"""
     run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1", *SHARDED,
                  "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
                  "--metrics", str(tmp_path / "elastic.jsonl"), "--save", str(tmp_path / "elastic"),
@@ -76,13 +86,13 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     assert all(e["steps_lost"] == 0 and e["pause_seconds"] > 0 and e["bytes_moved"] > 0 for e in events)
     assert "leave: 4 -> 3 workers after step 2" in run.stdout
     assert "exited with code -9; the others go on without it" in run.stderr
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
     assert want[1] != want[STEPS]  # not vacuous: training moved the loss
 
-    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(tmp_path / "fixed")
+    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(fixed / "ckpt")
     tensors = [k for k in reference if k.startswith(("param:", "exp_avg"))]
     assert tensors and set(elastic) == set(reference)
     for key in tensors:
@@ -90,26 +100,23 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     assert torch.equal(elastic["progress:train"], reference["progress:train"])
 
 
-def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, budget):
+def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, budget, fixed):
     """fsdp=3, a leave (fsdp=2), a join (fsdp=3 again, with a fresh worker at another coordinate),
     saving after every step. DTensor caches sharding decisions by mesh value; a stale one gave the
     second fsdp=3 world the first one's coordinates, and DCP refused the save. The last checkpoint
-    equals the fixed fsdp=3 run's."""
-    fixed = _train(tmp_path, "--nproc", "3", "--layout", "fsdp=3", "--save", str(tmp_path / "fixed"),
-                   "--log-dir", str(tmp_path / "fixed-logs"), timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    equals the fixed run's."""
     run = _train(tmp_path, "--elastic", "--nproc", "3", "--max-nproc", "3", *SHARDED, "--inject", "3:leave=2",
                  "--inject", "4:join=1", "--save", str(tmp_path / "elastic"), "--save-every", "1",
                  "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert [p.name for p in checkpoints(tmp_path / "elastic")][0] == f"step-{STEPS:08d}"
-    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(tmp_path / "fixed")
+    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(fixed / "ckpt")
     for key in (k for k in reference if k.startswith(("param:", "exp_avg"))):
         torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
     assert _all_gone(str(tmp_path))
 
 
-def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_given(tmp_path, budget):
+def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_given(tmp_path, budget, fixed):
     """No --layout-for: the layout policy picks each world's layout. Under --memory-per-worker
     900K the test model's state replicated on every worker does not fit (the policy's first choice
     without a limit), so both worlds get a sharded layout; each is the one the policy computes
@@ -119,35 +126,29 @@ def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_giv
     from shardshift.cli.train import elastic_job
     from shardshift.elastic.config import check_every_world
 
-    argv = ["train", *RUN[:-4], "--steps", "4", "--log-every", "1", "--elastic", "--nproc", "4",
-            "--min-nproc", "3", "--memory-per-worker", "900K"]
+    argv = ["train", *RUN, "--elastic", "--nproc", "4", "--min-nproc", "3", "--memory-per-worker", "900K"]
     _, cfg, ecfg = elastic_job(build_parser(argv).parse_args(argv))
     expected = check_every_world(ecfg, cfg)
     unlimited = check_every_world(dataclasses.replace(ecfg, memory_per_worker=None), cfg)
     assert expected[4] != unlimited[4] and expected[3] != unlimited[3]
-    fixed = _train(tmp_path, "--nproc", "1", "--steps", "4", "--metrics", str(tmp_path / "fixed.jsonl"),
-                   timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
-    run = subprocess.run([sys.executable, "-m", "shardshift", *argv, "--inject", "2:leave=3", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs")],
+    run = subprocess.run([sys.executable, "-m", "shardshift", *argv, "--inject", "2:leave=3", "--metrics",
+                          str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs")],
                          capture_output=True, text=True, timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert f"elastically under {expected[4]} on 4 cpu workers" in run.stdout
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
     assert [(e["from"], e["to"]) for e in events] == [(str(expected[4]), str(expected[3]))]
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
     assert _all_gone(str(tmp_path))
 
 
-def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_path, budget):
+def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_path, budget, fixed):
     """Worker 3 leaves after step 3 (4 -> 3); while that change moves the state, worker 1 gets a
     real SIGTERM. The move completes; worker 1 leaves after step 4 (3 -> 2), and the losses stay
     the fixed run's."""
-    fixed = _train(tmp_path, "--nproc", "1", "--steps", "6", "--metrics", str(tmp_path / "fixed.jsonl"),
-                   timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
-    run = _train(tmp_path, "--steps", "6", "--elastic", "--nproc", "4", *SHARDED, "--inject", "3:leave=3",
+    run = _train(tmp_path, "--elastic", "--nproc", "4", *SHARDED, "--inject", "3:leave=3",
                  "--inject", "2:term=1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
                  str(tmp_path / "logs"), timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
@@ -155,18 +156,16 @@ def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_p
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [
         (3, "leave", 4, 3), (4, "leave", 3, 2)]
     assert "worker 1 left after step 4" in (tmp_path / "logs" / "worker-1.log").read_text()
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
-    assert sorted(got) == list(range(1, 7))
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
     assert _all_gone(str(tmp_path))
 
 
-def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget):
+def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget, fixed):
     """dp=2,fsdp=2: rank 1's shards are also on rank 3. Rank 1 is SIGKILLed inside step 3; the
     three survivors go on under fsdp=3, rank 1's pieces sent by rank 3, step 3 run again."""
-    fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
     run = _train(tmp_path, "--elastic", "--nproc", "4", "--layout", "dp=2,fsdp=2", "--layout-for", "3:fsdp=3",
                  "--inject", "3:kill=1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
                  str(tmp_path / "logs"), timeout=budget.left())
@@ -176,18 +175,16 @@ def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget):
     assert [(e["step"], e["kind"], e["from"], e["to"], e["steps_lost"], e["recovered_from"]) for e in events] == [
         (2, "crash", "dp=2,fsdp=2", "fsdp=3", 0, "replica")]
     assert events[0]["bytes_moved"] > 0
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
 
 
-def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_lost(tmp_path, budget):
+def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_lost(tmp_path, budget, fixed):
     """fsdp=2 keeps one copy of each piece: when rank 1 is SIGKILLed inside step 4, the survivor
     loads the step-2 checkpoint (step 3 is lost and run again), and the losses from there on are
     the uninterrupted run's."""
-    fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
     run = _train(tmp_path, "--elastic", "--nproc", "2", *SHARDED, "--inject", "4:kill=1", "--save", str(tmp_path / "ckpt"),
                  "--save-every", "2", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
                  timeout=budget.left())
@@ -197,7 +194,7 @@ def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"], e["steps_lost"], e["recovered_from"])
             for e in events] == [(2, "crash", 2, 1, 1, "checkpoint")]
     assert "1 step(s) lost, from" in run.stdout
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
@@ -249,12 +246,10 @@ def test_a_signal_to_the_coordinator_stops_every_worker_after_a_save(tmp_path, b
     assert _all_gone(str(tmp_path))
 
 
-def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget):
+def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget, fixed):
     """The coordinator starts two joiners for a scripted join of two; one is SIGKILLed as soon as
     it exists. The job admits the other after step 4 (2 -> 3 workers), finishes, and computes the
     fixed run's losses; no process is left."""
-    fixed = _train(tmp_path, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=budget.left())
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
     job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2",
                             "--max-nproc", "4", "--inject", "4:join=2", "--metrics", str(tmp_path / "elastic.jsonl"),
                             "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -272,7 +267,7 @@ def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget):
     assert "exited with code -9 before it was admitted; the job goes on" in err
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [(4, "join", 2, 3)]
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
