@@ -43,6 +43,8 @@ from shardshift.elastic.config import ElasticConfig, parse_address
 from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat
 from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
 
+FINISH_GRACE_S = 5.0  # after the last step, how long the processes left have to exit by themselves
+
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -123,11 +125,23 @@ def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[
     """Wait for the job to end (module docstring): its status, and the worker whose crash ended it
     if one did. A crash of a worker of the current world is reported to the others (`_Crashes`),
     who go on without it if they can."""
-    drained_by = None
+    drained_by = finished_by = None
     crashes = _Crashes(store)
     survived: list[tuple[str, int]] = []
     while True:
         codes = {name: proc.poll() for name, proc in procs.items()}
+        if finished_by is None and store.check(["done"]):
+            finished_by = time.monotonic() + FINISH_GRACE_S
+        if finished_by is not None and time.monotonic() > finished_by:
+            # The job is done; a joiner still waiting exits by itself at once, unless it is stuck
+            # (frozen before it was ready): it is stopped, and its end is not the job's failure.
+            left = [name for name, code in codes.items() if code is None]
+            if left:
+                say(f"shardshift: the job is done, but {', '.join(left)} did not exit within {FINISH_GRACE_S:g} s; "
+                    "stopped", "stderr")
+                stop([procs[name] for name in left], GRACE_S)
+                survived += [(name, procs[name].poll()) for name in left]
+                continue
         if signals and drained_by is None:
             store.set("stop", str(signals[0]))
             drained_by = time.monotonic() + drain_s

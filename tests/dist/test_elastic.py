@@ -273,6 +273,31 @@ def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget, 
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
 
 
+def test_a_joiner_stuck_getting_ready_is_waited_for_until_the_timeout_then_the_job_goes_on(tmp_path, budget):
+    """The coordinator starts a joiner for a scripted join; it is SIGSTOPped as soon as it exists
+    (a frozen host: neither ready nor dead). The job waits for it after step 3 until --timeout,
+    says so, goes on with the workers it has, and finishes; the stopped joiner is killed at the
+    end and nothing is left."""
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2",
+                            "--inject", "3:join=1", "--timeout", "8", "--metrics", str(tmp_path / "elastic.jsonl"),
+                            "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (joiners := _job_pids("shardshift join --coordinator")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert joiners, "no joiner was started"
+        os.kill(joiners[0], signal.SIGSTOP)
+        out, err = job.communicate(timeout=budget.left())
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert "0 of the 1 worker(s) to join after step 3 were ready within 8 s (--timeout); the job goes on" in err
+    assert not [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert sorted(step_losses(tmp_path / "elastic.jsonl")) == list(range(1, STEPS + 1))
+    assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
+
+
 def test_a_killed_coordinator_leaves_no_worker_behind(tmp_path, budget):
     """The coordinator serves the store every worker needs: when it is SIGKILLed, its workers get
     SIGTERM from the kernel and, with the store gone, cannot go on; they all exit, and remove the
