@@ -387,17 +387,19 @@ class ElasticWorker:
     def _joins_now(self, inject, step: int) -> int:
         """Rank 0: how many joiners to admit at this boundary, their queue places written to
         ``admit/{epoch}/{step}`` for the others. With scripted joins, those of this step's event
-        (waiting while a joiner the coordinator started is still getting ready, up to --timeout:
-        then those that are ready); else every ready one that fits. A joiner that died before it was admitted is passed over."""
+        (waiting while a joiner the coordinator started is still getting ready, up to half of
+        --timeout, since the others wait in a collective: then those that are ready); else every ready one that fits. A joiner that died before it was admitted is passed over."""
         room = self.ecfg.max_nproc - self.epoch.world_size
         if any(i.kind == "join" for i in self.ecfg.injects):
             if inject is None:
                 return 0
-            deadline = time.monotonic() + self.timeout_s
+            # The others wait in the after-step all-reduce meanwhile, up to --timeout: give up well before.
+            wait_s = self.timeout_s / 2
+            deadline = time.monotonic() + wait_s
             while len(live := self._live_joiners()) < inject.count and self._joiners_preparing():
                 if time.monotonic() > deadline:  # a joiner stuck getting ready does not stop the job
                     say(f"shardshift: {len(live)} of the {inject.count} worker(s) to join after step {inject.step} "
-                        f"were ready within {self.timeout_s:g} s (--timeout); the job goes on with them", "stderr")
+                        f"were ready within {wait_s:g} s (half of --timeout); the job goes on with them", "stderr")
                     break
                 time.sleep(0.01)
             chosen = live[: min(inject.count, room)]
