@@ -279,7 +279,7 @@ def test_a_joiner_stuck_getting_ready_is_waited_for_until_the_timeout_then_the_j
     says so, goes on with the workers it has, and finishes; the stopped joiner is killed at the
     end and nothing is left."""
     job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2",
-                            "--inject", "3:join=1", "--timeout", "8", "--metrics", str(tmp_path / "elastic.jsonl"),
+                            "--inject", "3:join=1", "--timeout", "6", "--metrics", str(tmp_path / "elastic.jsonl"),
                             "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
@@ -292,7 +292,7 @@ def test_a_joiner_stuck_getting_ready_is_waited_for_until_the_timeout_then_the_j
     finally:
         job.kill()
     assert job.returncode == 0, err[-3000:]
-    assert "0 of the 1 worker(s) to join after step 3 were ready within 4 s (half of --timeout); the job goes on" in err
+    assert "0 of the 1 worker(s) to join after step 3 were ready within 3 s (half of --timeout); the job goes on" in err
     assert not [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
     assert sorted(step_losses(tmp_path / "elastic.jsonl")) == list(range(1, STEPS + 1))
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
