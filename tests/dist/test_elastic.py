@@ -246,23 +246,29 @@ def test_a_signal_to_the_coordinator_stops_every_worker_after_a_save(tmp_path, b
     assert _all_gone(str(tmp_path))
 
 
-def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget, fixed):
-    """The coordinator starts two joiners for a scripted join of two; one is SIGKILLed as soon as
-    it exists. The job admits the other after step 4 (2 -> 3 workers), finishes, and computes the
-    fixed run's losses; no process is left."""
-    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2",
-                            "--max-nproc", "4", "--inject", "4:join=2", "--metrics", str(tmp_path / "elastic.jsonl"),
-                            "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+def _signal_a_joiner(tmp_path, budget, sig: int, *args: str) -> tuple[subprocess.Popen, str]:
+    """Run a 2-worker elastic job with `args` (scripted joins), send `sig` to the first joiner the
+    coordinator starts as soon as it exists; the ended job and its stderr."""
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2", *args,
+                            "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not (joiners := _job_pids("shardshift join --coordinator")) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert joiners, "no joiner was started"
-        os.kill(min(joiners), signal.SIGKILL)
-        out, err = job.communicate(timeout=budget.left())
+        os.kill(min(joiners), sig)
+        _, err = job.communicate(timeout=budget.left())
     finally:
         job.kill()
+    return job, err
+
+
+def test_a_joiner_killed_before_it_is_admitted_is_passed_over(tmp_path, budget, fixed):
+    """The coordinator starts two joiners for a scripted join of two; one is SIGKILLed as soon as
+    it exists. The job admits the other after step 4 (2 -> 3 workers), finishes, and computes the
+    fixed run's losses; no process is left."""
+    job, err = _signal_a_joiner(tmp_path, budget, signal.SIGKILL, "--max-nproc", "4", "--inject", "4:join=2")
     assert job.returncode == 0, err[-3000:]
     assert "exited with code -9 before it was admitted; the job goes on" in err
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
@@ -278,19 +284,7 @@ def test_a_joiner_stuck_getting_ready_is_waited_for_until_the_timeout_then_the_j
     (a frozen host: neither ready nor dead). The job waits for it after step 3 for half of --timeout,
     says so, goes on with the workers it has, and finishes; the stopped joiner is killed at the
     end and nothing is left."""
-    job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN, "--elastic", "--nproc", "2",
-                            "--inject", "3:join=1", "--timeout", "6", "--metrics", str(tmp_path / "elastic.jsonl"),
-                            "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (joiners := _job_pids("shardshift join --coordinator")) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert joiners, "no joiner was started"
-        os.kill(joiners[0], signal.SIGSTOP)
-        out, err = job.communicate(timeout=budget.left())
-    finally:
-        job.kill()
+    job, err = _signal_a_joiner(tmp_path, budget, signal.SIGSTOP, "--inject", "3:join=1", "--timeout", "6")
     assert job.returncode == 0, err[-3000:]
     assert "0 of the 1 worker(s) to join after step 3 were ready within 3 s (half of --timeout); the job goes on" in err
     assert not [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
