@@ -240,17 +240,11 @@ def _memory_per_worker(args: argparse.Namespace, default_max: int) -> int:
 
     if args.memory_per_worker is not None:
         return parse_size(args.memory_per_worker, "--memory-per-worker")
-    if torch_cuda_available():
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (args.max_nproc or default_max)
-
-
-def torch_cuda_available() -> bool:
     import torch
 
-    return torch.cuda.is_available()
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (args.max_nproc or default_max)
 
 
 def _elastic_layout(args: argparse.Namespace, nproc: int, ecfg, cfg) -> Layout:

@@ -100,7 +100,6 @@ class Copies:
         self.params = {d.fqn: params[d.fqn] for d in duties if d.of == rank}  # pieces others copy
         self.kept: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (of, fqn) -> kind -> tensor
         self.grads: dict[tuple[int, str], torch.Tensor] = {}
-        self.bytes_per_step = 0
         self._optimizer = None
         boxes = holdings_of(space, assignment)
         index = {t.key: i for i, t in enumerate(space.tensors)}
@@ -116,22 +115,11 @@ class Copies:
                 "step": torch.zeros((), dtype=torch.float32),
             }
             self.grads[(d.of, d.fqn)] = torch.empty(shape, dtype=dtype, device=device)
-            self.bytes_per_step += self.grads[(d.of, d.fqn)].nbytes
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of copies (and their gradients' buffers) this rank keeps."""
-        return sum(t.nbytes for kept in self.kept.values() for t in kept.values()) + \
-            sum(t.nbytes for t in self.grads.values())
 
     def piece(self, of: int, key: str) -> torch.Tensor:
         """The copy this rank keeps of rank `of`'s piece of logical tensor `key` (``kind:fqn``)."""
         kind, _, fqn = key.partition(":")
         return self.kept[(of, fqn)][kind]
-
-    def holds(self, of: int, key: str) -> bool:
-        kind, _, fqn = key.partition(":")
-        return kind in KINDS and (of, fqn) in self.kept
 
     # ---- keeping the copies current --------------------------------------------------------------
 
