@@ -182,7 +182,7 @@ def report(opts: ElasticBenchOptions, events: list[dict], records: list[dict], o
     step_times = [r["step_time_s"] for r in records if "step_time_s" in r]
     fields = ("kind", "step", "from_world", "to_world", "from", "to", "pause_seconds", "detect_seconds",
               "restart_seconds", "restart_step_seconds", "restart_over_pause", "steps_lost", "bytes_moved",
-              "recovered_from", "restart_error", "phases")
+              "recovered_from", "planned_ahead", "restart_error", "phases")
     out = {"model": opts.cfg.model_name, "params": opts.cfg.model.num_params(), "dtype": opts.cfg.dtype,
            "global_batch": opts.cfg.global_batch, "events": [{k: e.get(k) for k in fields} for e in events],
            "geomean_restart_over_pause": means, "median_step_seconds": sorted(step_times)[len(step_times) // 2],

@@ -104,14 +104,16 @@ def ready_joiners(store: dist.Store) -> int:
     return store.add("join/ready", 0)
 
 
-def wait_for_admission(store: dist.Store, index: int, poll_s: float = 0.05) -> Epoch | None:
-    """Block until joiner `index` is admitted (its epoch), or the job stops or ends (None)."""
+def wait_for_admission(store: dist.Store, index: int, while_waiting=lambda: None, poll_s: float = 0.01) -> Epoch | None:
+    """Block until joiner `index` is admitted (its epoch), or the job stops or ends (None);
+    `while_waiting()` is called at every poll."""
     key = f"join/admitted/{index}"
     while True:
         if store.check([key]):
             return Epoch.from_json(store.get(f"epoch/{int(store.get(key))}"))
         if store.check(["stop"]) or store.check(["done"]):
             return None
+        while_waiting()
         time.sleep(poll_s)
 
 

@@ -53,16 +53,20 @@ import torch.distributed as dist
 
 from shardshift.console import say
 from shardshift.elastic import membership
+from shardshift.elastic.ahead import Ahead
 from shardshift.elastic.config import ElasticConfig, Observed, layout_for
 from shardshift.elastic.membership import Epoch
 from shardshift.elastic.redundancy import Copies, Duty, copy_duties, plan_copies
 from shardshift.layout import Layout
+from shardshift.reshard.execute import SwitchProgram, compile_program
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
+from shardshift.reshard.schedule import build_schedule
 from shardshift.runtime import process_from_env
 from shardshift.train import checkpoint
 from shardshift.train.catalog import checkpoints
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
+from shardshift.train.model import ModelConfig
 from shardshift.train.parallelize import build_parallel, forget_old_meshes
 from shardshift.train.run import Metrics, RunFailed, Signals, Stopped, exit_status, report_step, resume_point
 from shardshift.train.space import gpt_space
@@ -91,20 +95,64 @@ class _Control:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Everything the plan of a change depends on: the key of the work done for it `Ahead`."""
+
+    model: ModelConfig
+    dtype: torch.dtype  # the parameters'
+    layout: Layout  # the new world's
+    old_members: tuple[int, ...]
+    old_layout: Layout
+    old_ranks: tuple[int, ...]
+    leaving: frozenset[int]
+    joiners: tuple[int, ...]  # sorted
+    lost: frozenset[int]
+    copies: tuple[Duty, ...]
+
+    @property
+    def union(self) -> tuple[int, ...]:
+        """The plan's processes: the workers that stay (old rank order), the joiners, then the lost,
+        so that the move group's ranks are the plan's first processes."""
+        return (tuple(m for m in self.old_members if m not in self.lost) + self.joiners
+                + tuple(m for m in self.old_members if m in self.lost))
+
+    def plan(self) -> TransitionPlan:
+        union = self.union
+        where = {m: u for u, m in enumerate(union)}
+        members = [u for u, m in enumerate(union) if m not in self.leaving and m not in self.lost]
+        space = gpt_space(self.model, self.dtype)
+        old = Assignment(self.old_layout, tuple(where[self.old_members[r]] for r in self.old_ranks), len(union))
+        copies = plan_copies(space, self.copies, lambda rank: where[self.old_members[rank]])
+        return plan_transition(space, old, self.layout, members=members, lost=[where[m] for m in self.lost],
+                               copies=copies)
+
+    def program(self, plan: TransitionPlan, process: int, budget: int) -> SwitchProgram:
+        """Process `process`'s part of the plan's schedule."""
+        return compile_program(build_schedule(plan, budget), process)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Change:
     """A change of world, as every worker of the old and the new world computes it."""
 
     epoch: Epoch  # the new world
-    union: tuple[int, ...]  # worker ids: the old world's that live in rank order, the joiners, the lost
+    placement: _Placement
     plan: TransitionPlan  # over the union's processes (indices into `union`)
-    old_layout: Layout
     cfg: TrainConfig  # the run's configuration under the new layout
-    lost: int = 0  # crashed workers: the last of `union`, in no group
+
+    @property
+    def union(self) -> tuple[int, ...]:
+        """Worker ids: the old world's that live in rank order, the joiners, the lost."""
+        return self.placement.union
+
+    @property
+    def old_layout(self) -> Layout:
+        return self.placement.old_layout
 
     @property
     def movers(self) -> int:
-        """The processes of the move group: the union but the crashed."""
-        return len(self.union) - self.lost
+        """The processes of the move group: the union but the crashed (the last of it, in no group)."""
+        return len(self.union) - len(self.placement.lost)
 
 
 def _backend() -> str:
@@ -114,7 +162,7 @@ def _backend() -> str:
 def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
                 old_ranks: tuple[int, ...], leaving: set[int], joiners: list[int], number: int, kind: str, step: int,
                 admitted: int, lost: frozenset[int] = frozenset(), copies: tuple[Duty, ...] = (),
-                observed: Observed = ()) -> _Change:
+                observed: Observed = (), ahead: Ahead | None = None) -> _Change:
     """The next world and the plan that moves the state into it. Pure, and the same on every
     worker of the old and the new world: its inputs are in the epoch's record (`Epoch`).
 
@@ -122,23 +170,23 @@ def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, .
     each coordinate of `old_layout`; `leaving`: worker ids that go on notice; `joiners`: ids that
     come; `lost`: ids that crashed (their pieces come from replicas, or from the `copies` the old
     world kept (`--redundancy`, by old rank); ValueError if one has none); `observed`: the job's
-    measured steps, which the layout policy is calibrated on (`config.layout_for`).
-    The plan's processes are the workers that stay (old rank order), the joiners, then the lost,
-    so that the move group's ranks are the plan's first processes."""
-    union = tuple(m for m in old_members if m not in lost) + tuple(sorted(joiners)) + \
-        tuple(m for m in old_members if m in lost)
-    where = {m: u for u, m in enumerate(union)}
-    members = [u for u, m in enumerate(union) if m not in leaving and m not in lost]
-    layout = layout_for(len(members), ecfg, cfg, observed)
-    new_cfg = cfg.with_layout(layout)
-    space = gpt_space(new_cfg.model, new_cfg.param_dtype)
-    old = Assignment(old_layout, tuple(where[old_members[r]] for r in old_ranks), len(union))
-    plan = plan_transition(space, old, layout, members=members, lost=[where[m] for m in lost],
-                           copies=plan_copies(space, copies, lambda rank: where[old_members[rank]]))
-    epoch = Epoch(number, tuple(union[u] for u in plan.new.ranks), layout, step, kind, admitted,
+    measured steps, which the layout policy is calibrated on (`config.layout_for`). The plan is
+    taken from `ahead` when it was worked out there."""
+    placement = _placement(cfg, ecfg, old_members, old_layout, old_ranks, leaving, joiners, lost, copies, observed)
+    plan = ahead.get(placement, placement.plan) if ahead is not None else placement.plan()
+    epoch = Epoch(number, tuple(placement.union[u] for u in plan.new.ranks), placement.layout, step, kind, admitted,
                   previous=tuple(old_members), previous_layout=old_layout, previous_ranks=tuple(old_ranks),
                   observed=observed)
-    return _Change(epoch, union, plan, old_layout, new_cfg, len(lost))
+    return _Change(epoch, placement, plan, cfg.with_layout(placement.layout))
+
+
+def _placement(cfg: TrainConfig, ecfg: ElasticConfig, old_members, old_layout: Layout, old_ranks, leaving, joiners,
+               lost=frozenset(), copies=(), observed: Observed = ()) -> _Placement:
+    """A change's inputs (as `plan_change` takes them), with the new world's layout chosen."""
+    staying = [m for m in old_members if m not in leaving and m not in lost]
+    layout = layout_for(len(staying) + len(joiners), ecfg, cfg, observed)
+    return _Placement(cfg.model, cfg.param_dtype, layout, tuple(old_members), old_layout, tuple(old_ranks),
+                      frozenset(leaving), tuple(sorted(joiners)), frozenset(lost), tuple(copies))
 
 
 class ElasticWorker:
@@ -152,6 +200,7 @@ class ElasticWorker:
         self.epoch: Epoch | None = None
         self.metrics: Metrics | None = None
         self.signals = Signals()
+        self.ahead = Ahead()  # changes worked out before they happen (`_foresee`)
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
         # The job's measured step times (the slowest rank's), by layout, the same on every worker of
         # the world: the layout policy's calibration (`_observed`). A world's first step is left
@@ -196,17 +245,42 @@ class ElasticWorker:
         self.store.set(f"pid/{os.getpid()}", str(self.member))
         registered(self.member)
         ready_at = time.monotonic()
-        epoch = membership.wait_for_admission(self.store, index)
+        foreseen = []  # the world this worker last worked out its admission into
+        epoch = membership.wait_for_admission(self.store, index, lambda: self._foresee_admission(index, foreseen))
         if epoch is None:
             return False
         waited = time.monotonic() - ready_at
         change = plan_change(self.cfg, self.ecfg, epoch.previous, epoch.previous_layout, epoch.previous_ranks,
                              set(epoch.previous) - set(epoch.members),
                              [m for m in epoch.members if m not in epoch.previous], epoch.number, epoch.kind,
-                             epoch.step, epoch.admitted, observed=epoch.observed)
+                             epoch.step, epoch.admitted, observed=epoch.observed, ahead=self.ahead)
         assert change.epoch == epoch, (change.epoch, epoch)
         self._move(change, time.monotonic(), detect_s=waited)
         return True
+
+    def _foresee_admission(self, index: int, foreseen: list[int]) -> None:
+        """While joiner `index` waits: work out ahead its admission, with the joiners queued before
+        it, into the world that runs now (again whenever that world changes)."""
+        if not self.store.check(["epoch/current"]):
+            return
+        current = int(self.store.get("epoch/current"))
+        if foreseen == [current]:
+            return
+        foreseen[:] = [current]
+        epoch = Epoch.from_json(self.store.get(f"epoch/{current}"))
+        places = range(epoch.admitted, index + 1)
+        if epoch.world_size + len(places) > self.ecfg.max_nproc:
+            return  # not all fit at the next boundary: no guess
+        first = int(self.store.get("config/nproc"))
+        self._prepare(_placement(self.cfg, self.ecfg, epoch.members, epoch.layout, tuple(range(epoch.world_size)),
+                                 set(), [first + i for i in places], observed=epoch.observed))
+
+    def _prepare(self, placement: _Placement) -> None:
+        """Start working out `placement`'s plan and this worker's program of it (`ahead`)."""
+        budget, process = self.cfg.switch_budget, placement.union.index(self.member)
+        self.ahead.start(placement, placement.plan)
+        self.ahead.start((placement, process, budget),
+                         lambda: placement.program(self.ahead.get(placement, placement.plan), process, budget))
 
     # ---- training --------------------------------------------------------------------------------
 
@@ -216,6 +290,7 @@ class ElasticWorker:
             while self.trainer is not None and self.trainer.progress.step < self.cfg.stop_at:
                 trainer = self.trainer
                 rank = dist.get_rank()
+                self._foresee()
                 try:
                     result = trainer.train_step(commit=self._commit,
                                                 applied=self.copies.step if self.copies is not None else None)
@@ -313,7 +388,7 @@ class ElasticWorker:
         try:
             change = plan_change(self.cfg, self.ecfg, epoch.members, trainer.cfg.layout, trainer.par.ranks, set(), [],
                                  epoch.number + 1, "crash", trainer.progress.step, epoch.admitted, lost, duties,
-                                 self._observed())
+                                 self._observed(), ahead=self.ahead)
         except ValueError as no_copy:
             self._restart_from_checkpoint(survivors, lost, no_copy, noticed, detect)
             return
@@ -409,6 +484,25 @@ class ElasticWorker:
             self.store.set(f"admit/{self.epoch.number}/{step}", json.dumps(chosen))
         return len(chosen)
 
+    def _foresee(self) -> None:
+        """Start working out, while the next step runs, the changes likely to come (`Ahead`): the
+        admission of the joiners ready now, as `_joins_now` will count them; and, once per world,
+        any one worker leaving on notice, so that a preemption pauses training only to move the
+        state."""
+        trainer, epoch = self.trainer, self.epoch
+        old = (self.cfg, self.ecfg, epoch.members, trainer.cfg.layout, trainer.par.ranks)
+        room = self.ecfg.max_nproc - epoch.world_size
+        if any(i.kind == "join" for i in self.ecfg.injects):
+            inject = self.ecfg.inject_at(trainer.progress.step + 1)
+            room = min(room, inject.count) if inject is not None and inject.kind == "join" else 0
+        live = self._live_joiners()[:room] if room > 0 else []
+        if live:
+            first = int(self.store.get("config/nproc"))
+            self._prepare(_placement(*old, set(), [first + i for i in live], observed=self._observed()))
+        if self.steps_in_world == 0 and epoch.world_size > self.ecfg.min_nproc:
+            for member in epoch.members:
+                self._prepare(_placement(*old, {member}, [], observed=self._observed()))
+
     def _live_joiners(self) -> list[int]:
         """Queue places of the joiners ready and not yet admitted, but those that died."""
         return [i for i in range(self.epoch.admitted, membership.ready_joiners(self.store))
@@ -431,7 +525,7 @@ class ElasticWorker:
         admitted = max(places) + 1 if places else old.admitted
         change = plan_change(self.cfg, self.ecfg, old.members, trainer.cfg.layout, trainer.par.ranks, leaving,
                              [first + i for i in places], old.number + 1, "leave" if leaving else "join",
-                             trainer.progress.step, admitted, observed=self._observed())
+                             trainer.progress.step, admitted, observed=self._observed(), ahead=self.ahead)
         if dist.get_rank() == 0:
             membership.announce(self.store, change.epoch, places)
         detect = decided_at - control.noticed_at if control.noticed_at else 0.0
@@ -466,8 +560,14 @@ class ElasticWorker:
             clock.lap("new_world")
             new_par = build_parallel(change.epoch.layout, rank, self.device_type)
             clock.lap("meshes")
-        state, stats = switch_world(old_state, change.plan, process, change.cfg, new_par, group, self.timeout_s,
-                                    self.cfg.switch_budget, copies)
+        budget = self.cfg.switch_budget
+        key = (change.placement, process, budget)
+        ahead = key in self.ahead
+        program = self.ahead.get(key, lambda: change.placement.program(change.plan, process, budget))
+        self.ahead.forget()
+        clock.lap("program")
+        state, stats = switch_world(old_state, change.plan, program, change.cfg, new_par, group, self.timeout_s,
+                                    copies)
         clock.lap("model_and_transfer")
         clock.times["transfer"] = stats.seconds
         clock.times["model_and_transfer"] -= stats.seconds
@@ -482,7 +582,7 @@ class ElasticWorker:
             self._keep_copies(rank)
             clock.lap("copies")
         # The slowest worker's figures; also, nobody leaves before every worker has arrived here.
-        worst = _worst(group, [time.monotonic() - started_at, detect_s, *clock.values()])
+        worst = _worst(group, [time.monotonic() - started_at, detect_s, 0.0 if ahead else 1.0, *clock.values()])
         del group
         if state is None:
             say(f"shardshift: worker {self.member} left after step {change.epoch.step}, its state moved to the "
@@ -492,7 +592,7 @@ class ElasticWorker:
                             "to_world": change.epoch.world_size, "from": str(change.old_layout),
                             "to": str(change.epoch.layout), "detect_seconds": worst[1], "pause_seconds": worst[0],
                             "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from,
-                            "phases": dict(zip(PHASES, worst[2:]))})
+                            "planned_ahead": worst[2] == 0.0, "phases": dict(zip(PHASES, worst[3:]))})
 
     def _notice_while_moving(self, epoch: Epoch) -> None:
         """A scripted ``term``: a real SIGTERM to this worker while the state moves (the handler
@@ -545,12 +645,13 @@ class ElasticWorker:
             f"{event['bytes_moved']:,} bytes, {lost}")
 
 
-PHASES = ("move_group", "leave_old_world", "new_world", "meshes", "model_and_transfer", "transfer", "trainer",
-          "copies")
+PHASES = ("move_group", "leave_old_world", "new_world", "meshes", "program", "model_and_transfer", "transfer",
+          "trainer", "copies")
 """The parts of a change's pause: building the move group; leaving the old world's groups; joining
-the new world's default group; its meshes; the new model's structure and optimizer (without the
-transfer); the transfer itself; the trainer around the new state; filling the copies
-(`--redundancy`). A phase a worker has no part in counts 0 for it."""
+the new world's default group; its meshes; this worker's program of the transfers (next to nothing
+when it was worked out ahead); the new model's structure and optimizer (without the transfer); the
+transfer itself; the trainer around the new state; filling the copies (`--redundancy`). A phase a
+worker has no part in counts 0 for it."""
 
 
 class _Phases:
@@ -591,6 +692,7 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: 
     worker = ElasticWorker(cfg, ecfg, store, -1, timeout_s)  # its id comes with its place in the queue
     if not worker.join(lambda member: membership.start_heartbeat(address, member, ecfg.heartbeat_interval_s,
                                                                  timeout_s)):
+        worker.ahead.close()
         say("shardshift: the job stopped or ended before this worker was admitted", "stderr")
         return 0
     return _finish(worker)
@@ -604,6 +706,7 @@ def _finish(worker: ElasticWorker) -> int:
     try:
         return exit_status(worker.run)
     finally:
+        worker.ahead.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         job_dir = os.environ.get(membership.JOB_DIR_ENV)

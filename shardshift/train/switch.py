@@ -271,20 +271,19 @@ def warm_up(cfg: TrainConfig, par: Parallel | None, device_type: str = "cpu") ->
     return time.perf_counter() - start
 
 
-def switch_world(old: TrainingState | None, plan: TransitionPlan, process: int, new_cfg: TrainConfig,
-                 new_par: Parallel | None, group, timeout_s: float, budget: int = DEFAULT_BUDGET,
-                 copies=None) -> tuple[TrainingState | None, ExecStats]:
+def switch_world(old: TrainingState | None, plan: TransitionPlan, program: SwitchProgram, new_cfg: TrainConfig,
+                 new_par: Parallel | None, group, timeout_s: float, copies=None) -> tuple[TrainingState | None, ExecStats]:
     """Move the state into a world of another size: `plan` places the old and the new world on
-    their processes together (`reshard.plan`), and `process` is this one's number there.
+    their processes together (`reshard.plan`), and `program` is this process's part of its
+    schedule (`reshard.execute.compile_program`: planned ahead, maybe, while training went on).
 
     `old`: this process's state (None: it joins with nothing). `new_par`: its meshes in the new
     world (None: it leaves, and returns None). `group` holds every process of the plan and carries
     the transfers. `copies(of, key)`: the copy this process keeps of lost process `of`'s piece of
-    logical tensor `key`, for a plan that takes pieces from copies. The new model and AdamW state are built with no storage and filled as
-    `switch_state` fills them; `old` is consumed as there.
+    logical tensor `key`, for a plan that takes pieces from copies. The new model and AdamW state
+    are built with no storage and filled as `switch_state` fills them; `old` is consumed as there.
     """
     space = gpt_space(new_cfg.model, new_cfg.param_dtype)
-    program = compile_program(build_schedule(plan, budget), process)
     sink = model = None
     if new_par is not None:
         model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype)
