@@ -84,6 +84,8 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
         (2, "leave", 4, 3, "fsdp=4", "fsdp=3", "none"), (3, "crash", 3, 2, "fsdp=3", "fsdp=2", "redundancy"),
         (6, "join", 2, 4, "fsdp=2", "fsdp=4", "none")]
     assert all(e["steps_lost"] == 0 and e["pause_seconds"] > 0 and e["bytes_moved"] > 0 for e in events)
+    # Every single leave was planned while the world's first step ran; no crash is.
+    assert [e["planned_ahead"] for e in events[:2]] == [True, False]
     assert "leave: 4 -> 3 workers after step 2" in run.stdout
     assert "exited with code -9; the others go on without it" in run.stderr
     got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
