@@ -5,10 +5,11 @@ running processes (`train.switch.switch_world`) and go on.
 After every step the world's ranks exchange one small all-reduce (`_Control`): the signal the
 coordinator passed on (the job stops), the joiners rank 0 found ready in the store, and which
 ranks got a signal of their own (a leave on notice: SIGTERM, SIGINT or SIGHUP to one worker).
-Every rank then computes the same next world (`_next_epoch`): the workers that stay, in the
+Every rank then computes the same next world (`plan_change`): the workers that stay, in the
 order of the old world, then the joiners; its layout (`--layout-for`, or the policy of
 `config.layout_for`); and the plan that places it (`reshard.plan`, keeping the most bytes where
-they are). The move itself:
+they are), which the worker has usually worked out while the step ran (`_foresee`, `ahead`). The
+move itself:
 
 1. the old world's workers and the joiners build the move group (``epoch{e}/move``);
 2. the old world's workers leave its process groups; the new world's workers form the next one
