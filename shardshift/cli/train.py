@@ -67,7 +67,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "layout predicted to step fastest that fits --memory-per-worker (docs/elastic.md)")
     e.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
                    help="a scripted event after step STEP (repeatable): join=N workers, leave=RANK (a real SIGTERM "
-                        "to that worker), kill=RANK; leave and kill take several ranks: kill=1,2")
+                        "to that worker), kill=RANK (a SIGKILL inside the step), term=RANK (a SIGTERM while the next "
+                        "change moves the state), movekill=PROCESS (a SIGKILL to that process of the next change as "
+                        "the state starts to move: the old world's ranks, then the joiners); all but join take "
+                        "several: kill=1,2")
     e.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="where the coordinator serves (default: loopback, a free port)")
     e.add_argument("--heartbeat-timeout", type=float, default=5.0,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 Observed = tuple[tuple[Layout, float], ...]  # measured step times of this job: (layout, seconds)
 
-INJECT_KINDS = ("join", "leave", "kill", "term")
+INJECT_KINDS = ("join", "leave", "kill", "term", "movekill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +26,22 @@ class Inject:
     if they are not ready yet); ``leave=R[,R...]``: the workers of those ranks get a real SIGTERM;
     ``kill=R[,R...]``: the workers of those ranks get a real SIGKILL inside that step;
     ``term=R[,R...]``: the workers of those ranks get a real SIGTERM while the first change of
-    world after that step moves the state (they leave at the boundary after it)."""
+    world after that step moves the state (they leave at the boundary after it);
+    ``movekill=P[,P...]``: those processes of the first change of world after that step (the old
+    world's workers that live, in rank order, then the joiners) get a real SIGKILL as the state
+    starts to move."""
 
     step: int
     kind: str
-    values: tuple[int, ...]  # join: (N,); leave, kill: the ranks
+    values: tuple[int, ...]  # join: (N,); the others: the ranks (movekill: the processes)
 
     @classmethod
     def parse(cls, text: str) -> Inject:
         match = re.fullmatch(r"\s*(\d+)\s*:\s*(\w+)\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*", text)
         if match is None or match.group(2) not in INJECT_KINDS or (match.group(2) == "join" and "," in match.group(3)):
             raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK[,RANK...], "
-                             "STEP:kill=RANK[,RANK...] or STEP:term=RANK[,RANK...]; write e.g. --inject 5:leave=3")
+                             "STEP:kill=RANK[,RANK...], STEP:term=RANK[,RANK...] or STEP:movekill=PROCESS[,...]; "
+                             "write e.g. --inject 5:leave=3")
         step, kind = int(match.group(1)), match.group(2)
         values = tuple(int(v) for v in match.group(3).split(","))
         if step < 1:

@@ -15,7 +15,8 @@ processes it started, and how the job ends:
 - a worker of the current world that dies otherwise (a crash) is reported to the others in the
   store (``crash/{epoch}``, once, with every worker that died within `_Crashes.SETTLE_S`); they
   agree on the last committed step and go on without it (`worker.py`). A worker that fails after
-  that, or one the job cannot go on without, stops the job, naming it.
+  that, one that dies while the state moves into the next world (joiners included), or one the
+  job cannot go on without, stops the job, naming it.
 
 Workers started elsewhere join with ``shardshift join --coordinator HOST:PORT``; they are not
 the coordinator's children, and are not watched by it.
@@ -198,8 +199,10 @@ class _Crashes:
         member = int(self.store.get(f"pid/{pid}"))
         epoch = int(self.store.get("epoch/current"))
         members = json.loads(self.store.get(f"epoch/{epoch}"))["members"]
-        if member not in members or self.store.check([f"crash/{epoch}"]):
-            return False  # not a member now, or a second crash in the same world: not survived here
+        if member not in members or self.store.check([f"crash/{epoch}"]) or self.store.check([f"epoch/{epoch + 1}"]):
+            # Not a member now, a second crash in the same world, or a crash while the state moves
+            # into the next world (part of it in flight): not survived here.
+            return False
         if not self.pending:
             self.seen, self.first_at = time.time(), time.monotonic()
         self.pending.append(member)

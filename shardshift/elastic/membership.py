@@ -104,7 +104,13 @@ def ready_joiners(store: dist.Store) -> int:
     return store.add("join/ready", 0)
 
 
-def wait_for_admission(store: dist.Store, index: int, while_waiting=lambda: None, poll_s: float = 0.01) -> Epoch | None:
+def live_joiners(store: dist.Store, admitted: int) -> list[int]:
+    """Queue places of the joiners ready and not yet admitted (the first `admitted` were), but
+    those that died."""
+    return [i for i in range(admitted, ready_joiners(store)) if not store.check([f"join/dead/{i}"])]
+
+
+def wait_for_admission(store: dist.Store, index: int, while_waiting=lambda: None, poll_s: float = 0.05) -> Epoch | None:
     """Block until joiner `index` is admitted (its epoch), or the job stops or ends (None);
     `while_waiting()` is called at every poll."""
     key = f"join/admitted/{index}"

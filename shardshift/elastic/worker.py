@@ -8,7 +8,7 @@ ranks got a signal of their own (a leave on notice: SIGTERM, SIGINT or SIGHUP to
 Every rank then computes the same next world (`plan_change`): the workers that stay, in the
 order of the old world, then the joiners; its layout (`--layout-for`, or the policy of
 `config.layout_for`); and the plan that places it (`reshard.plan`, keeping the most bytes where
-they are), which the worker has usually worked out while the step ran (`_foresee`, `ahead`). The
+they are), which the worker has usually worked out while the step ran (`lookout`, `ahead`). The
 move itself:
 
 1. the old world's workers and the joiners build the move group (``epoch{e}/move``);
@@ -56,6 +56,7 @@ from shardshift.console import say
 from shardshift.elastic import membership
 from shardshift.elastic.ahead import Ahead
 from shardshift.elastic.config import ElasticConfig, Observed, layout_for
+from shardshift.elastic.lookout import Lookout, World
 from shardshift.elastic.membership import Epoch
 from shardshift.elastic.redundancy import Copies, Duty, copy_duties, plan_copies
 from shardshift.layout import Layout
@@ -201,7 +202,8 @@ class ElasticWorker:
         self.epoch: Epoch | None = None
         self.metrics: Metrics | None = None
         self.signals = Signals()
-        self.ahead = Ahead()  # changes worked out before they happen (`_foresee`)
+        self.ahead = Ahead()  # changes worked out before they happen
+        self.lookout: Lookout | None = None  # while it trains: what it sees coming goes to `ahead`
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
         # The job's measured step times (the slowest rank's), by layout, the same on every worker of
         # the world: the layout policy's calibration (`_observed`). A world's first step is left
@@ -260,21 +262,32 @@ class ElasticWorker:
         return True
 
     def _foresee_admission(self, index: int, foreseen: list[int]) -> None:
-        """While joiner `index` waits: work out ahead its admission, with the joiners queued before
-        it, into the world that runs now (again whenever that world changes)."""
+        """While joiner `index` waits: plan ahead its admission into the world that runs now, with
+        the joiners the next boundary will admit (counted as the boundary counts them: a scripted
+        join's number of them, otherwise as many as fit); again whenever that world or the queue
+        of ready joiners changes."""
         if not self.store.check(["epoch/current"]):
             return
-        current = int(self.store.get("epoch/current"))
-        if foreseen == [current]:
+        current, ready = int(self.store.get("epoch/current")), membership.ready_joiners(self.store)
+        if foreseen == [current, ready]:
             return
-        foreseen[:] = [current]
+        foreseen[:] = [current, ready]
         epoch = Epoch.from_json(self.store.get(f"epoch/{current}"))
-        places = range(epoch.admitted, index + 1)
-        if epoch.world_size + len(places) > self.ecfg.max_nproc:
-            return  # not all fit at the next boundary: no guess
-        first = int(self.store.get("config/nproc"))
-        self._prepare(_placement(self.cfg, self.ecfg, epoch.members, epoch.layout, tuple(range(epoch.world_size)),
-                                 set(), [first + i for i in places], observed=epoch.observed))
+        room = self.ecfg.max_nproc - epoch.world_size
+        scripted = [i for i in self.ecfg.injects if i.kind == "join" and i.step > epoch.step]
+        if scripted:
+            room = min(room, min(scripted, key=lambda i: i.step).count)
+        places = membership.live_joiners(self.store, epoch.admitted)[:max(room, 0)]
+        if index in places:
+            first = int(self.store.get("config/nproc"))
+            self._prepare(_placement(self.cfg, self.ecfg, epoch.members, epoch.layout,
+                                     tuple(range(epoch.world_size)), set(), [first + i for i in places],
+                                     observed=epoch.observed))
+
+    def _foresee(self, world: World, leaving: frozenset[int], joiners: tuple[int, ...]) -> None:
+        """The lookout saw a change coming: plan it (`_prepare`)."""
+        self._prepare(_placement(self.cfg, self.ecfg, world.epoch.members, world.layout, world.ranks, leaving,
+                                 list(joiners), observed=world.observed))
 
     def _prepare(self, placement: _Placement) -> None:
         """Start working out `placement`'s plan and this worker's program of it (`ahead`)."""
@@ -287,11 +300,16 @@ class ElasticWorker:
 
     def run(self) -> int:
         """Train to the end, changing worlds on the way; the exit status (0: done, or left)."""
+        address = f"{self.store.host}:{self.store.port}"
+        self.lookout = Lookout(membership.connect(address, self.timeout_s), self.member, self.ecfg,
+                               lambda: bool(self.signals.received), self._foresee)
+        self.lookout.start()
         try:
             while self.trainer is not None and self.trainer.progress.step < self.cfg.stop_at:
                 trainer = self.trainer
                 rank = dist.get_rank()
-                self._foresee()
+                self.lookout.world = World(self.epoch, trainer.cfg.layout, tuple(trainer.par.ranks),
+                                           self._observed(), trainer.progress.step + 1)
                 try:
                     result = trainer.train_step(commit=self._commit,
                                                 applied=self.copies.step if self.copies is not None else None)
@@ -330,6 +348,7 @@ class ElasticWorker:
                 self.store.set("done", "1")
             return 0
         finally:
+            self.lookout.close()
             self.signals.restore()
             if self.metrics is not None:
                 self.metrics.close()
@@ -338,10 +357,17 @@ class ElasticWorker:
         """The vote before the optimizer steps: True once every worker of this world has its
         gradients for `step`; False when the coordinator reports a worker of this world lost
         before all had voted. Every survivor decides alike: the count a lost worker left behind
-        is final once its loss is reported. A scripted kill happens here, inside the step."""
+        is final once its loss is reported. Scripted kills and leaves strike here, inside the step
+        (a leave is a real SIGTERM, handled as any notice: the worker leaves at this step's end)."""
         inject = self._inject(step, "kill")
         if inject is not None and dist.get_rank() in inject.ranks:
             os.kill(os.getpid(), signal.SIGKILL)
+        inject = self._inject(step, "leave")
+        if inject is not None and dist.get_rank() in inject.ranks:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5.0
+            while not self.signals.received and time.monotonic() < deadline:
+                time.sleep(0.001)
         if self.copies is not None:
             self.copies.send_gradients()  # a worker lost meanwhile breaks it: the step is not voted
         epoch, key = self.epoch, f"commit/{self.epoch.number}/{step}"
@@ -371,6 +397,7 @@ class ElasticWorker:
         lost (the coordinator's record), and move the state into a world of the survivors, each
         piece from a surviving copy; without one, from the newest checkpoint."""
         noticed = time.monotonic()
+        self.lookout.world = None
         epoch, key = self.epoch, f"crash/{self.epoch.number}"
         while not self.store.check([key]):
             if time.monotonic() - noticed > self.timeout_s:
@@ -438,13 +465,7 @@ class ElasticWorker:
                             "recovered_from": "checkpoint", "checkpoint": str(newest[0])})
 
     def _control(self, step: int, rank: int, step_seconds: float) -> _Control:
-        """The after-step exchange (module docstring); scripted events are acted out first."""
-        inject = self._inject(step, "leave")
-        if inject is not None and rank in inject.ranks:
-            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled as any notice
-            deadline = time.monotonic() + 5.0
-            while not self.signals.received and time.monotonic() < deadline:
-                time.sleep(0.001)
+        """The after-step exchange (module docstring)."""
         n = self.epoch.world_size
         vector = torch.zeros(3 + n, dtype=torch.int64)
         if rank == 0:
@@ -485,29 +506,8 @@ class ElasticWorker:
             self.store.set(f"admit/{self.epoch.number}/{step}", json.dumps(chosen))
         return len(chosen)
 
-    def _foresee(self) -> None:
-        """Start working out, while the next step runs, the changes likely to come (`Ahead`): the
-        admission of the joiners ready now, as `_joins_now` will count them; and, once per world,
-        any one worker leaving on notice, so that a preemption pauses training only to move the
-        state."""
-        trainer, epoch = self.trainer, self.epoch
-        old = (self.cfg, self.ecfg, epoch.members, trainer.cfg.layout, trainer.par.ranks)
-        room = self.ecfg.max_nproc - epoch.world_size
-        if any(i.kind == "join" for i in self.ecfg.injects):
-            inject = self.ecfg.inject_at(trainer.progress.step + 1)
-            room = min(room, inject.count) if inject is not None and inject.kind == "join" else 0
-        live = self._live_joiners()[:room] if room > 0 else []
-        if live:
-            first = int(self.store.get("config/nproc"))
-            self._prepare(_placement(*old, set(), [first + i for i in live], observed=self._observed()))
-        if self.steps_in_world == 0 and epoch.world_size > self.ecfg.min_nproc:
-            for member in epoch.members:
-                self._prepare(_placement(*old, {member}, [], observed=self._observed()))
-
     def _live_joiners(self) -> list[int]:
-        """Queue places of the joiners ready and not yet admitted, but those that died."""
-        return [i for i in range(self.epoch.admitted, membership.ready_joiners(self.store))
-                if not self.store.check([f"join/dead/{i}"])]
+        return membership.live_joiners(self.store, self.epoch.admitted)
 
     def _joiners_preparing(self) -> bool:
         """Whether a joiner the coordinator started is neither ready nor dead yet."""
@@ -519,6 +519,7 @@ class ElasticWorker:
 
     def _change(self, control: _Control, step: int, joins: int) -> None:
         decided_at = time.monotonic()
+        self.lookout.world = None
         old, trainer = self.epoch, self.trainer
         places = json.loads(self.store.get(f"admit/{old.number}/{step}")) if joins else []
         first = int(self.store.get("config/nproc"))
@@ -539,7 +540,7 @@ class ElasticWorker:
         process = change.union.index(self.member)
         group = membership.move_group(self.store, change.epoch, process, change.movers, self.timeout_s)
         clock.lap("move_group")
-        self._notice_while_moving(change.epoch)
+        self._act_while_moving(change)
         old_state, copies = None, None
         if self.copies is not None:
             kept, previous = self.copies, change.epoch.previous
@@ -595,16 +596,24 @@ class ElasticWorker:
                             "bytes_moved": change.plan.bytes_moved, "steps_lost": 0, "recovered_from": recovered_from,
                             "planned_ahead": worst[2] == 0.0, "phases": dict(zip(PHASES, worst[3:]))})
 
-    def _notice_while_moving(self, epoch: Epoch) -> None:
-        """A scripted ``term``: a real SIGTERM to this worker while the state moves (the handler
-        only notes it: the move completes, and the worker leaves at the next step boundary)."""
-        if self.member not in epoch.previous:
-            return
-        rank = epoch.previous.index(self.member)
+    def _act_while_moving(self, change: _Change) -> None:
+        """Scripted events while the state moves, each once: ``term``, a real SIGTERM to those ranks
+        of the old world (the handler only notes it: the move completes, and the worker leaves at
+        the next step boundary); ``movekill``, a real SIGKILL to those processes of the move (the
+        old world's workers that live in rank order, then the joiners: `_Change.union`)."""
+        epoch, process = change.epoch, change.union.index(self.member)
+        rank = epoch.previous.index(self.member) if self.member in epoch.previous else None
         for inject in self.ecfg.injects:
-            if inject.kind == "term" and inject.step <= epoch.step and rank in inject.ranks:
-                if self.store.compare_set(f"inject/{inject}/fired/{rank}", "", "1").decode() == "1":
-                    os.kill(os.getpid(), signal.SIGTERM)
+            if inject.step > epoch.step:
+                continue
+            if inject.kind == "term" and rank in inject.ranks:
+                who, sig = f"rank{rank}", signal.SIGTERM
+            elif inject.kind == "movekill" and process in inject.ranks:
+                who, sig = f"process{process}", signal.SIGKILL
+            else:
+                continue
+            if self.store.compare_set(f"inject/{inject}/fired/{who}", "", "1").decode() == "1":
+                os.kill(os.getpid(), sig)
 
     def _observe(self, seconds: float) -> None:
         if self.steps_in_world:
