@@ -18,8 +18,10 @@ processes it started, and how the job ends:
   that, one that dies while the state moves into the next world (joiners included), or one the
   job cannot go on without, stops the job, naming it.
 
-Workers started elsewhere join with ``shardshift join --coordinator HOST:PORT``; they are not
-the coordinator's children, and are not watched by it.
+Workers started elsewhere join with ``shardshift join --coordinator HOST:PORT``. They are not the
+coordinator's children: it watches their heartbeats only (by its own clock), and one silent for
+`--heartbeat-timeout` is taken for crashed as above (or, not admitted yet, passed over), though
+it cannot be killed from here.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from shardshift.console import say
 from shardshift.elastic.config import ElasticConfig, parse_address
-from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat
+from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat, live_joiners
 from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
 
 FINISH_GRACE_S = 5.0  # after the last step, how long the processes left have to exit by themselves
@@ -166,6 +168,15 @@ def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[
                 say(f"shardshift: {name} sent no heartbeat for {heartbeat_s:g} s; killed it", "stderr")
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(procs[name].pid, signal.SIGKILL)  # its exit is then a crash like any other
+            for member, survived_here in crashes.silent_strangers(procs, heartbeat_s) if finished_by is None else ():
+                if not survived_here:
+                    say(f"shardshift: worker {member} (started elsewhere) sent no heartbeat for {heartbeat_s:g} s, "
+                        "and the job could not go on without it; stopped the others. Resume from the newest "
+                        "checkpoint (--resume).", "stderr")
+                    stop(list(procs.values()), GRACE_S)
+                    return 1, None
+                say(f"shardshift: worker {member} (started elsewhere) sent no heartbeat for {heartbeat_s:g} s; the "
+                    "others go on without it", "stderr")
         if all(code is not None for code in codes.values()):
             if signals:
                 return 128 + signals[0], None
@@ -190,13 +201,18 @@ class _Crashes:
         self.seen = 0.0  # time.time() of the first pending exit
         self.first_at = 0.0
         self.checked_at = 0.0  # the last heartbeat check (time.monotonic())
+        self.stranger_checked_at = 0.0
+        self.beats: dict[int, tuple[bytes, float]] = {}  # a stranger's last heartbeat, and when it changed
+        self.given_up: set[int] = set()  # strangers taken for dead
 
     def lost(self, pid: int) -> bool:
         """Note worker process `pid` as crashed; False when it is in no world the job trains in now
         (it had left, or was never admitted): then the job cannot be sure to go on."""
         if not (self.store.check([f"pid/{pid}"]) and self.store.check(["epoch/current"])):
             return False
-        member = int(self.store.get(f"pid/{pid}"))
+        return self._lose(int(self.store.get(f"pid/{pid}")))
+
+    def _lose(self, member: int) -> bool:
         epoch = int(self.store.get("epoch/current"))
         members = json.loads(self.store.get(f"epoch/{epoch}"))["members"]
         if member not in members or self.store.check([f"crash/{epoch}"]) or self.store.check([f"epoch/{epoch + 1}"]):
@@ -237,6 +253,35 @@ class _Crashes:
             beat = last_beat(self.store, member)
             if member in members and beat is not None and time.time() - beat > heartbeat_s:
                 out.append(name)
+        return out
+
+    def silent_strangers(self, procs: dict[str, subprocess.Popen], heartbeat_s: float) -> list[tuple[int, bool]]:
+        """Workers this coordinator did not start (``shardshift join`` from another shell or host),
+        members of the current world or ready joiners, whose heartbeat has not changed for
+        `heartbeat_s` by this process's clock (theirs may be set otherwise). It cannot kill them:
+        a member is taken for crashed (reported as for its own workers; the second value is
+        whether that crash is survived), a joiner not admitted yet is marked dead (passed over).
+        Checked at most twice a second, each worker once."""
+        now = time.monotonic()
+        if now - self.stranger_checked_at < 0.5 or not self.store.check(["epoch/current"]):
+            return []
+        self.stranger_checked_at = now
+        epoch = json.loads(self.store.get(f"epoch/{int(self.store.get('epoch/current'))}"))
+        first = int(self.store.get("config/nproc"))
+        children = {int(self.store.get(f"pid/{p.pid}")) for p in procs.values() if self.store.check([f"pid/{p.pid}"])}
+        waiting = {first + i: i for i in live_joiners(self.store, epoch["admitted"])}
+        out = []
+        for member in sorted((set(epoch["members"]) | set(waiting)) - children - self.given_up):
+            key = f"heartbeat/{member}"
+            beat = self.store.get(key) if self.store.check([key]) else b""
+            if self.beats.get(member, (None,))[0] != beat:
+                self.beats[member] = (beat, now)
+            elif now - self.beats[member][1] > heartbeat_s:
+                self.given_up.add(member)
+                if member in waiting:
+                    self.store.set(f"join/dead/{waiting[member]}", "1")
+                    continue
+                out.append((member, self._lose(member)))
         return out
 
     def publish_if_settled(self) -> None:

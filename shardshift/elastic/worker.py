@@ -405,6 +405,9 @@ class ElasticWorker:
             time.sleep(0.01)
         record = json.loads(self.store.get(key))
         lost = frozenset(record["lost"])
+        if self.member in lost:  # silent too long (frozen, cut off): the others went on without it
+            raise RunFailed(f"this worker (id {self.member}) was taken for lost after step "
+                            f"{self.trainer.progress.step}, and the others went on without it; it exits")
         detect = max(0.0, time.time() - record["seen"])
         trainer = self.trainer
         trainer.optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -363,6 +364,52 @@ def test_a_frozen_worker_is_found_by_its_missing_heartbeat_and_the_job_goes_on(t
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
     assert _all_gone(str(tmp_path))
+
+
+def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_job_goes_on(tmp_path, budget):
+    """A worker this test starts itself (`shardshift join`: not the coordinator's child, so no exit
+    status tells it apart) joins a dp=2 job (2 -> 3 workers, dp=3) and is SIGKILLed. Its heartbeat
+    stops; after --heartbeat-timeout the coordinator takes it for crashed, and the others take its
+    pieces from their replicas and go on, losing no step, until the job is stopped; nothing is left."""
+    log, events_file = tmp_path / "job.out", tmp_path / "elastic.jsonl"
+
+    def wait_for(found, what: str):
+        deadline = time.monotonic() + budget.left() / 2
+        while (value := found()) is None and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        assert value is not None, f"no {what}:\n{log.read_text()[-3000:]}"
+        return value
+
+    def event(kind: str):
+        records = metrics(events_file) if events_file.exists() else []
+        return next((r for r in records if r.get("event") == "membership" and r["kind"] == kind), None)
+
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN[:-4], "--steps", "100000",
+                                "--log-every", "1", "--elastic", "--nproc", "2", "--max-nproc", "3", "--layout", "dp=2",
+                                "--layout-for", "3:dp=3", "--heartbeat-timeout", "2", "--timeout", "120", "--metrics",
+                                str(events_file), "--log-dir", str(tmp_path / "logs")],
+                               stdout=out, stderr=subprocess.PIPE, text=True)
+    joiner = None
+    try:
+        address = wait_for(lambda: (m := re.search(r"coordinator at (\S+?:\d+):", log.read_text())) and m.group(1),
+                           "coordinator address")
+        joiner = subprocess.Popen([sys.executable, "-m", "shardshift", "join", "--coordinator", address, "--timeout",
+                                   "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: event("join"), "join")
+        joiner.kill()
+        joiner.wait(timeout=30)
+        crash = wait_for(lambda: event("crash"), "crash")
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=budget.left())
+    finally:
+        for proc in (job, joiner):
+            if proc is not None:
+                proc.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "worker 2 (started elsewhere) sent no heartbeat for 2 s; the others go on without it" in err
+    assert (crash["from_world"], crash["to_world"], crash["recovered_from"], crash["steps_lost"]) == (3, 2, "replica", 0)
+    assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
 
 
 def _member(pid: int) -> int | None:
