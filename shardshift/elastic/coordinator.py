@@ -46,7 +46,7 @@ from shardshift.elastic.config import ElasticConfig, parse_address
 from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat, live_joiners
 from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
 
-FINISH_GRACE_S = 5.0  # after the last step, how long the processes left have to exit by themselves
+FINISH_GRACE_S = 2.0  # after the last step, how long the processes left have to exit by themselves
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

@@ -615,7 +615,7 @@ class ElasticWorker:
                 who, sig = f"process{process}", signal.SIGKILL
             else:
                 continue
-            if self.store.compare_set(f"inject/{inject}/fired/{who}", "", "1").decode() == "1":
+            if self.store.add(f"inject/{inject}/fired/{who}", 1) == 1:  # the first change after its step only
                 os.kill(os.getpid(), sig)
 
     def _observe(self, seconds: float) -> None:

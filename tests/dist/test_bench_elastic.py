@@ -1,6 +1,6 @@
-"""`shardshift bench elastic`: bad input is refused before anything starts; the default suite is the
-documented one; a one-event run with its restart and the redundancy jobs. No timing is asserted:
-every event and column must be there, no step lost, and every restart must have run."""
+"""`shardshift bench elastic`: bad input is refused before anything starts; the default suite runs end
+to end on the test model, and a one-event run with its restart and the redundancy jobs. No timing
+is asserted: every event and column must be there, no step lost, and every restart must have run."""
 
 from __future__ import annotations
 
@@ -27,17 +27,23 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
         assert needle in capsys.readouterr().err, args
 
 
-def test_the_suite_is_the_documented_one():
-    """The suite's events and layouts (running it end to end costs half a minute on CI's 2 cores;
-    the kinds of event it is made of run in tests/dist/test_elastic.py)."""
-    from shardshift.cli.bench import _elastic_options
-    from shardshift.cli.main import build_parser
-
-    argv = ["bench", "elastic", "--nproc", "4", "--suite", "--model", "test"]
-    opts = _elastic_options(build_parser(argv).parse_args(argv))
-    assert [str(i) for i in opts.injects] == ["2:kill=3", "3:leave=2", "4:join=1", "5:join=1", "6:kill=1", "7:join=1"]
-    assert {n: str(layout) for n, layout in opts.layouts} == {4: "dp=2,fsdp=2", 3: "fsdp=3", 2: "fsdp=2"}
-    assert opts.worlds == (2, 4) and opts.cfg.stop_at == 9  # one step after the last event, and one it redoes
+def test_the_suite_reports_every_event_beside_its_restart(budget):
+    """The suite's six events (their restarts and the redundancy jobs: the next test)."""
+    run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--suite", "--model", "test",
+                          "--global-batch", "6", "--json", "--timeout", "120", "--no-restart", "--overhead-steps", "0"],
+                         capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    events = out["events"]
+    assert [(e["kind"], e["from_world"], e["to_world"], e["from"], e["to"], e["recovered_from"]) for e in events] == [
+        ("crash", 4, 3, "dp=2,fsdp=2", "fsdp=3", "replica"), ("leave", 3, 2, "fsdp=3", "fsdp=2", "none"),
+        ("join", 2, 3, "fsdp=2", "fsdp=3", "none"), ("join", 3, 4, "fsdp=3", "dp=2,fsdp=2", "none"),
+        ("crash", 4, 3, "dp=2,fsdp=2", "fsdp=3", "replica"), ("join", 3, 4, "fsdp=3", "dp=2,fsdp=2", "none")]
+    assert all(e["bytes_moved"] > 0 and e["steps_lost"] == 0 and e["pause_seconds"] > 0 for e in events)
+    for e in events:
+        assert set(e["phases"]) == set(PHASES) and e["pause_seconds"] >= max(e["phases"].values()), e
+        assert e["restart_seconds"] is None and e["restart_over_pause"] is None
+    assert out["redundancy_overhead"] is None and out["redundancy"] is None
 
 
 def test_an_event_is_timed_beside_its_restart_and_redundancy_beside_none(budget):

@@ -103,22 +103,6 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     assert torch.equal(elastic["progress:train"], reference["progress:train"])
 
 
-def test_a_world_shaped_like_an_earlier_one_saves_true_checkpoints(tmp_path, budget, fixed):
-    """fsdp=3, a leave (fsdp=2), a join (fsdp=3 again, with a fresh worker at another coordinate),
-    saving after every step. DTensor caches sharding decisions by mesh value; a stale one gave the
-    second fsdp=3 world the first one's coordinates, and DCP refused the save. The last checkpoint
-    equals the fixed run's."""
-    run = _train(tmp_path, "--elastic", "--nproc", "3", "--max-nproc", "3", *SHARDED, "--inject", "3:leave=2",
-                 "--inject", "4:join=1", "--save", str(tmp_path / "elastic"), "--save-every", "1",
-                 "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
-    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
-    assert [p.name for p in checkpoints(tmp_path / "elastic")][0] == f"step-{STEPS:08d}"
-    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(fixed / "ckpt")
-    for key in (k for k in reference if k.startswith(("param:", "exp_avg"))):
-        torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
-    assert _all_gone(str(tmp_path))
-
-
 def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_given(tmp_path, budget, fixed):
     """No --layout-for: the layout policy picks each world's layout. Under --memory-per-worker
     900K the test model's state replicated on every worker does not fit (the policy's first choice
@@ -150,38 +134,28 @@ def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_giv
 def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_path, budget, fixed):
     """Worker 3 leaves after step 3 (4 -> 3); while that change moves the state, worker 1 gets a
     real SIGTERM. The move completes; worker 1 leaves after step 4 (3 -> 2), and the losses stay
-    the fixed run's."""
-    run = _train(tmp_path, "--elastic", "--nproc", "4", *SHARDED, "--inject", "3:leave=3",
-                 "--inject", "2:term=1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
-                 str(tmp_path / "logs"), timeout=budget.left())
+    the fixed run's. Then a worker joins after step 5: fsdp=3 again, with a fresh worker at another
+    coordinate, saving after every step. (DTensor caches sharding decisions by mesh value; a stale
+    one gave a world shaped like an earlier one that world's coordinates, and DCP refused the
+    save.) The last checkpoint equals the fixed run's."""
+    run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", *SHARDED, "--inject", "3:leave=3",
+                 "--inject", "2:term=1", "--inject", "5:join=1", "--save", str(tmp_path / "elastic"), "--save-every",
+                 "1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
+                 timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [
-        (3, "leave", 4, 3), (4, "leave", 3, 2)]
+        (3, "leave", 4, 3), (4, "leave", 3, 2), (5, "join", 2, 3)]
     assert "worker 1 left after step 4" in (tmp_path / "logs" / "worker-1.log").read_text()
     got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
                                rtol=RTOL, atol=0)
+    assert [p.name for p in checkpoints(tmp_path / "elastic")][0] == f"step-{STEPS:08d}"
+    elastic, reference = _final_state(tmp_path / "elastic"), _final_state(fixed / "ckpt")
+    for key in (k for k in reference if k.startswith(("param:", "exp_avg"))):
+        torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
     assert _all_gone(str(tmp_path))
-
-
-def test_a_crash_takes_the_lost_pieces_from_their_replicas(tmp_path, budget, fixed):
-    """dp=2,fsdp=2: rank 1's shards are also on rank 3. Rank 1 is SIGKILLed inside step 3; the
-    three survivors go on under fsdp=3, rank 1's pieces sent by rank 3, step 3 run again."""
-    run = _train(tmp_path, "--elastic", "--nproc", "4", "--layout", "dp=2,fsdp=2", "--layout-for", "3:fsdp=3",
-                 "--inject", "3:kill=1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
-                 str(tmp_path / "logs"), timeout=budget.left())
-    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
-    assert _all_gone(str(tmp_path))
-    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
-    assert [(e["step"], e["kind"], e["from"], e["to"], e["steps_lost"], e["recovered_from"]) for e in events] == [
-        (2, "crash", "dp=2,fsdp=2", "fsdp=3", 0, "replica")]
-    assert events[0]["bytes_moved"] > 0
-    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
-    assert sorted(got) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]), torch.tensor([want[s] for s in sorted(want)]),
-                               rtol=RTOL, atol=0)
 
 
 def test_a_crash_with_no_copy_goes_on_from_the_checkpoint_and_reports_the_steps_lost(tmp_path, budget, fixed):
@@ -295,19 +269,19 @@ def test_a_joiner_stuck_getting_ready_is_waited_for_until_the_timeout_then_the_j
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
 
 
-@pytest.mark.parametrize("process, name", [(2, "joiner-0"), (1, "worker-1")])
-def test_a_worker_killed_while_the_state_moves_stops_the_job_at_once_naming_it(tmp_path, budget, process, name):
-    """After step 3 a joiner is admitted (2 -> 3 workers); as the state starts to move, one process
-    of the move gets a real SIGKILL: the joiner, or a worker of the old world. Part of the state is
-    in flight, so the job cannot go on in its processes: the coordinator stops it without waiting
-    for the workers' --timeout (300 s, more than this test allows), naming the worker; the
-    checkpoint of step 3 is there to resume from, and no process is left."""
+def test_a_worker_killed_while_the_state_moves_stops_the_job_at_once_naming_it(tmp_path, budget):
+    """After step 3 a joiner is admitted (2 -> 3 workers); as the state starts to move, worker 1 of
+    the old world gets a real SIGKILL. Part of the state is in flight, so the job cannot go on in
+    its processes: the coordinator stops it without waiting for the workers' --timeout (300 s, more
+    than this test allows), naming the worker; the checkpoint of step 3 is there to resume from,
+    and no process is left. (A joiner killed there is a worker of no world yet: the coordinator
+    stops the job the same way.)"""
     ckpt = tmp_path / "ckpt"
-    run = _train(tmp_path, "--elastic", "--nproc", "2", "--inject", "3:join=1", "--inject", f"2:movekill={process}",
+    run = _train(tmp_path, "--elastic", "--nproc", "2", "--inject", "3:join=1", "--inject", "2:movekill=1",
                  "--save", str(ckpt), "--save-every", "1", "--timeout", "300", "--log-dir", str(tmp_path / "logs"),
                  timeout=min(budget.left(), 150))
     assert run.returncode != 0
-    assert f"{name} exited with code -9, and the job could not go on without it" in run.stderr, run.stderr[-3000:]
+    assert "worker-1 exited with code -9, and the job could not go on without it" in run.stderr, run.stderr[-3000:]
     assert step_of(checkpoints(ckpt)[0]) == 3
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
 
