@@ -109,6 +109,15 @@ class ElasticConfig:
     def inject_at(self, step: int) -> Inject | None:
         return next((i for i in self.injects if i.step == step), None)
 
+    def admits(self, world_size: int, event: Inject | None) -> int:
+        """How many ready joiners a step boundary admits into a world of `world_size`: as many as
+        fit under --max-nproc; with scripted joins, only at a join's boundary (`event`, that
+        boundary's event) and at most its number."""
+        room = max(0, self.max_nproc - world_size)
+        if any(i.kind == "join" for i in self.injects):
+            return min(room, event.count) if event is not None and event.kind == "join" else 0
+        return room
+
 
 def parse_layout_for(text: str) -> tuple[int, Layout]:
     size, sep, layout = text.partition(":")

@@ -91,13 +91,9 @@ class Lookout:
 
     def _coming(self, world: World) -> list[int]:
         """The ids of the joiners the boundary after `world.step` would admit if they stay ready
-        (`worker.ElasticWorker._joins_now`: a scripted join admits its number of them, otherwise
-        as many as fit)."""
-        room = self.ecfg.max_nproc - world.epoch.world_size
-        if any(i.kind == "join" for i in self.ecfg.injects):
-            inject = self.ecfg.inject_at(world.step)
-            room = min(room, inject.count) if inject is not None and inject.kind == "join" else 0
-        if room <= 0:
+        (`config.ElasticConfig.admits`)."""
+        room = self.ecfg.admits(world.epoch.world_size, self.ecfg.inject_at(world.step))
+        if not room:
             return []
         first = int(self.store.get("config/nproc"))
         return [first + i for i in live_joiners(self.store, world.epoch.admitted)[:room]]

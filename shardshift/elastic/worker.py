@@ -273,11 +273,9 @@ class ElasticWorker:
             return
         foreseen[:] = [current, ready]
         epoch = Epoch.from_json(self.store.get(f"epoch/{current}"))
-        room = self.ecfg.max_nproc - epoch.world_size
-        scripted = [i for i in self.ecfg.injects if i.kind == "join" and i.step > epoch.step]
-        if scripted:
-            room = min(room, min(scripted, key=lambda i: i.step).count)
-        places = membership.live_joiners(self.store, epoch.admitted)[:max(room, 0)]
+        coming = min((i for i in self.ecfg.injects if i.kind == "join" and i.step > epoch.step),
+                     key=lambda i: i.step, default=None)  # the next scripted join, if any
+        places = membership.live_joiners(self.store, epoch.admitted)[:self.ecfg.admits(epoch.world_size, coming)]
         if index in places:
             first = int(self.store.get("config/nproc"))
             self._prepare(_placement(self.cfg, self.ecfg, epoch.members, epoch.layout,
@@ -486,13 +484,11 @@ class ElasticWorker:
 
     def _joins_now(self, inject, step: int) -> int:
         """Rank 0: how many joiners to admit at this boundary, their queue places written to
-        ``admit/{epoch}/{step}`` for the others. With scripted joins, those of this step's event
-        (waiting while a joiner the coordinator started is still getting ready, up to half of
-        --timeout, since the others wait in a collective: then those that are ready); else every ready one that fits. A joiner that died before it was admitted is passed over."""
-        room = self.ecfg.max_nproc - self.epoch.world_size
-        if any(i.kind == "join" for i in self.ecfg.injects):
-            if inject is None:
-                return 0
+        ``admit/{epoch}/{step}`` for the others (as many as `config.ElasticConfig.admits`). A
+        scripted join first waits while a joiner the coordinator started is still getting ready, up
+        to half of --timeout, since the others wait in a collective; then those that are ready go
+        in. A joiner that died before it was admitted is passed over."""
+        if inject is not None:  # a scripted join
             # The others wait in the after-step all-reduce meanwhile, up to --timeout: give up well before.
             wait_s = self.timeout_s / 2
             deadline = time.monotonic() + wait_s
@@ -502,9 +498,7 @@ class ElasticWorker:
                         f"were ready within {wait_s:g} s (half of --timeout); the job goes on with them", "stderr")
                     break
                 time.sleep(0.01)
-            chosen = live[: min(inject.count, room)]
-        else:
-            chosen = self._live_joiners()[: max(0, room)]
+        chosen = self._live_joiners()[:self.ecfg.admits(self.epoch.world_size, inject)]
         if chosen:
             self.store.set(f"admit/{self.epoch.number}/{step}", json.dumps(chosen))
         return len(chosen)
