@@ -346,8 +346,9 @@ class ElasticWorker:
                 self.store.set("done", "1")
             return 0
         finally:
+            # The signal handlers stay to the end of the process (`_finish`): a stop signal that
+            # comes late must not cut the clean-up short.
             self.lookout.close()
-            self.signals.restore()
             if self.metrics is not None:
                 self.metrics.close()
 
@@ -685,37 +686,51 @@ def _worst(group, values: list[float]) -> list[float]:
 
 def member_main(cfg: TrainConfig, ecfg: ElasticConfig, timeout_s: float) -> int:
     """A worker the coordinator started in the first world."""
+    parent = os.getppid()
     address = os.environ[membership.COORDINATOR_ENV]
     store = membership.connect(address, timeout_s)
     worker = ElasticWorker(cfg, ecfg, store, int(os.environ[membership.MEMBER_ENV]), timeout_s)
     membership.start_heartbeat(address, worker.member, ecfg.heartbeat_interval_s, timeout_s)
     worker.start_first_world()
-    return _finish(worker)
+    return _finish(worker, parent)
 
 
 def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: float) -> int:
     """A worker that joins the running job whose coordinator is at `address` (`shardshift join`)."""
+    parent = os.getppid()
     store = membership.connect(address, timeout_s)
     worker = ElasticWorker(cfg, ecfg, store, -1, timeout_s)  # its id comes with its place in the queue
     if not worker.join(lambda member: membership.start_heartbeat(address, member, ecfg.heartbeat_interval_s,
                                                                  timeout_s)):
         worker.ahead.close()
+        _remove_job_dir_if_orphaned(parent)
         say("shardshift: the job stopped or ended before this worker was admitted", "stderr")
         return 0
-    return _finish(worker)
+    return _finish(worker, parent)
 
 
-def _finish(worker: ElasticWorker) -> int:
+def _finish(worker: ElasticWorker, parent: int) -> int:
     """Run `worker` to its end; its exit status, as a worker of a fixed job would have it
-    (`train.run.exit_status`). A worker whose coordinator died removes the coordinator's
-    temporary directory, which nobody else would."""
-    parent = os.getppid()
+    (`train.run.exit_status`). A worker whose coordinator (`parent`) died removes the
+    coordinator's temporary directory, which nobody else would.
+
+    The worker's handlers of the stop signals (`ElasticWorker.signals`) are never taken back, so
+    a SIGTERM that arrives during this clean-up is only recorded. One does arrive late when the
+    coordinator is killed: Linux closes a dying process's sockets before it signals its children,
+    so a worker can find the store gone, end its run and only then get the SIGTERM; with the
+    default handler back, that signal would kill it before it removed the directory."""
     try:
         return exit_status(worker.run)
     finally:
         worker.ahead.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        job_dir = os.environ.get(membership.JOB_DIR_ENV)
-        if job_dir and os.getppid() != parent:
-            shutil.rmtree(job_dir, ignore_errors=True)
+        _remove_job_dir_if_orphaned(parent)
+
+
+def _remove_job_dir_if_orphaned(parent: int) -> None:
+    """Remove the directory of the coordinator that started this worker, if it has died (a
+    worker started by `shardshift join` from a shell has none)."""
+    job_dir = os.environ.get(membership.JOB_DIR_ENV)
+    if job_dir and os.getppid() != parent:
+        shutil.rmtree(job_dir, ignore_errors=True)
