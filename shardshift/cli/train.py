@@ -55,6 +55,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-budget", default="256M",
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--collectives", choices=["gloo", "trees"], default="gloo",
+                   help="trees: DDP's and FSDP2's collectives on packed trees (the shardshift backend)")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="with --collectives trees: the network (a YAML file, docs/topology.md, or a spec such as "
+                        "dgx1v:0,1,2,3 or probe; default full)")
     e = p.add_argument_group("elastic membership (workers join and leave the running job)")
     e.add_argument("--elastic", action="store_true",
                    help="serve a coordinator; workers may join (`shardshift join`) and leave on notice (SIGTERM to "
@@ -134,6 +139,8 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         log_every=args.log_every,
         switches=_switches(args, layout),
         switch_budget=parse_size(args.switch_budget, "--switch-budget"),
+        collectives=args.collectives,
+        topology=args.topology,
     )
 
 
@@ -166,6 +173,10 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
         argv += ["--keep-checkpoints", str(cfg.keep_checkpoints)]
     for step, layout in cfg.switches:
         argv += ["--switch", f"{step}:{layout}"]
+    if cfg.collectives != "gloo":
+        argv += ["--collectives", cfg.collectives]
+    if cfg.topology is not None:
+        argv += ["--topology", cfg.topology]
     return argv
 
 
@@ -222,6 +233,8 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
 
     if args.switch is not None:
         raise ValueError("--switch does not go with --elastic: there the layout follows the world (--layout-for)")
+    if args.collectives != "gloo":
+        raise ValueError("--collectives trees does not go with --elastic yet: a new world's groups are gloo's")
     if args.coordinator is not None:
         parse_address(args.coordinator)
     injects = tuple(Inject.parse(text) for text in args.inject)

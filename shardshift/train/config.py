@@ -15,6 +15,7 @@ from shardshift.train.model import PRESETS, ModelConfig
 from shardshift.train.space import check_layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+COLLECTIVES = ("gloo", "trees")  # `TrainConfig.collectives`
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,11 @@ class TrainConfig:
     # Online layout switches: (step, layout) switches before that step (1-based) runs.
     switches: tuple[tuple[int, Layout], ...] = ()
     switch_budget: int = DEFAULT_BUDGET  # bytes a switch may hold beyond max(old state, new state)
+    # Where the data-parallel collectives run (DDP's gradient all-reduce, FSDP2's all-gathers and
+    # reduce-scatters): "gloo" (or NCCL), or "trees", packed trees on `topology` (the
+    # `shardshift` backend: a YAML file or a spec of `collectives.topology.spec`; None: "full").
+    collectives: str = "gloo"
+    topology: str | None = None
     auto_micro_batches: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,7 +107,23 @@ class TrainConfig:
             object.__setattr__(self, "micro_batches", 2 * self.layout.pp if self.layout.pp > 1 else 1)
         check_layout(self.layout, self.model)
         self.check_batch(self.layout)
+        self._check_collectives()
         self._check_switches()
+
+    def _check_collectives(self) -> None:
+        if self.collectives not in COLLECTIVES:
+            raise ValueError(f"--collectives {self.collectives!r}: choose one of {', '.join(COLLECTIVES)}")
+        if self.topology is None:
+            return
+        if self.collectives != "trees":
+            raise ValueError("--topology describes the network the trees are packed on: give --collectives trees too")
+        from shardshift.collectives.topology.spec import is_probe, topology_from_spec
+
+        if not is_probe(self.topology):
+            try:
+                topology_from_spec(self.topology, self.layout.world_size)
+            except ValueError as err:
+                raise ValueError(f"--topology: {err}") from None
 
     def _check_switches(self) -> None:
         previous = 0

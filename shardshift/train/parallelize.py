@@ -48,6 +48,7 @@ class Parallel:
     mesh: DeviceMesh  # 4-D, axes AXES
     coord: Coord
     ranks: tuple[int, ...]  # the process rank at each of the layout's coordinates, in rank order
+    trees: object = None  # ShardShiftOptions of the data axes' groups when they run on trees (`build_parallel`)
 
     @property
     def device(self) -> torch.device:
@@ -78,22 +79,43 @@ class Parallel:
         return self.coord.pp == self.layout.pp - 1
 
 
-def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int, ...] | None = None) -> Parallel:
+def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int, ...] | None = None,
+                   trees=None) -> Parallel:
     """The meshes of `layout` (a collective: every rank calls it).
 
     `ranks[i]` is the process at the layout's i-th coordinate (row-major over `AXES`); by default
     process i. A switch passes the order that keeps the most state where it already is.
+    `trees` (ShardShiftOptions): the groups of the data axes (`dp`, `fsdp`), whose collectives are
+    DDP's and FSDP2's, are `shardshift` groups running them on packed trees; each group packs on
+    the part of the job's topology its ranks see. The other axes stay on the default backend.
     """
     ranks = tuple(range(layout.world_size)) if ranks is None else tuple(ranks)
     assert sorted(ranks) == list(range(layout.world_size)), ranks
     # FSDP2 shards by a process's rank in the axis group, which `new_group` sorts: the mesh must
     # run in increasing rank order along every axis for that to match DTensor's coordinates.
     assert increasing_on_every_axis(layout, ranks), f"rank order {ranks} runs backwards on an axis"
+    override = {}
+    if trees is not None:
+        from shardshift.collectives.execution.backend import BACKEND_NAME
+
+        override = {axis: (BACKEND_NAME, trees) for axis in ("dp", "fsdp") if getattr(layout, axis) > 1}
     if ranks == tuple(range(layout.world_size)):
-        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES, backend_override=override or None)
     else:
-        mesh = DeviceMesh(device_type, torch.tensor(ranks).reshape(layout.shape), mesh_dim_names=AXES)
-    return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks)
+        mesh = DeviceMesh(device_type, torch.tensor(ranks).reshape(layout.shape), mesh_dim_names=AXES,
+                          backend_override=tuple(override.get(axis, (None, None)) for axis in AXES))
+    return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks, trees=trees)
+
+
+def tree_options(cfg, timeout_s: float):
+    """The ShardShiftOptions of a run whose `cfg.collectives` is "trees" (else None): packed on
+    `cfg.topology`, every collective bounded by `timeout_s`."""
+    if cfg.collectives != "trees":
+        return None
+    from shardshift.collectives.execution.backend import ShardShiftOptions
+    from shardshift.collectives.execution.runner import RunOptions
+
+    return ShardShiftOptions(topology=cfg.topology, run=RunOptions(timeout_s=timeout_s))
 
 
 def forget_old_meshes() -> None:

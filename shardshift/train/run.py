@@ -14,9 +14,9 @@ How a run ends, and its exit status (the same on every rank):
 
 Rank 0 prints best effort: with its terminal or reader gone, a run still saves and stops as above.
 
-With `--metrics`, rank 0 appends one JSON object per step, one per switch, and one ``resume``
+With `--metrics`, rank 0 appends one JSON object per step, one per switch, one ``resume``
 event when the run starts from a checkpoint (so that steps a crash made it redo are never
-mistaken for new ones).
+mistaken for new ones), and one ``summary`` when it reaches `stop_at` (`Summary`; also printed).
 """
 
 from __future__ import annotations
@@ -122,6 +122,64 @@ def _report_switch(report, metrics: Metrics) -> None:
     metrics.write(report.event())
 
 
+class Summary:
+    """What a run did, said at its end (rank 0): steps, tokens, wall time, the loss from its first
+    to its last step, the time its switches took, and the calls its data groups ran on trees."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg, self.start = cfg, time.monotonic()
+        self.steps = self.switches = 0
+        self.first_loss = self.last_loss = None
+        self.switch_seconds = 0.0
+        self.tree_calls: dict[str, int] = {}  # of the layouts switched from
+
+    def stepped(self, result: StepResult) -> None:
+        self.steps += 1
+        self.first_loss = result.loss if self.first_loss is None else self.first_loss
+        self.last_loss = result.loss
+
+    def switching(self, trainer: Trainer) -> None:
+        """Before a switch: the calls of the groups it leaves behind."""
+        self.tree_calls = _added(self.tree_calls, tree_calls(trainer))
+
+    def switched(self, report) -> None:
+        self.switches += 1
+        self.switch_seconds += report.seconds
+
+    def event(self, trainer: Trainer) -> dict:
+        return {"event": "summary", "step": trainer.progress.step, "steps": self.steps,
+                "tokens": self.steps * self.cfg.tokens_per_step, "seconds": time.monotonic() - self.start,
+                "first_loss": self.first_loss, "last_loss": self.last_loss, "switches": self.switches,
+                "switch_seconds": self.switch_seconds, "tree_calls": _added(self.tree_calls, tree_calls(trainer))}
+
+    @staticmethod
+    def line(event: dict) -> str:
+        seconds = event["seconds"]
+        text = (f"done: {event['steps']} steps, {event['tokens']:,} tokens in {seconds:.1f} s "
+                f"({event['tokens'] / seconds:,.0f} tokens/s)")
+        if event["first_loss"] is not None:
+            text += f"; loss {event['first_loss']:.4f} -> {event['last_loss']:.4f}"
+        if event["switches"]:
+            text += (f"; {event['switches']} switch{'es' if event['switches'] > 1 else ''} took "
+                     f"{event['switch_seconds']:.2f} s ({event['switch_seconds'] / seconds:.1%} of the run)")
+        if event["tree_calls"]:
+            calls = ", ".join(f"{op} {count}" for op, count in sorted(event["tree_calls"].items()))
+            text += f"; on trees: {calls}"
+        return text
+
+
+def tree_calls(trainer: Trainer) -> dict[str, int]:
+    """The calls this rank's data-axis groups ran on trees, by op (none unless --collectives trees)."""
+    calls: dict[str, int] = {}
+    for axis in ("dp", "fsdp"):
+        calls = _added(calls, getattr(trainer.par.mesh[axis].get_group(), "tree_calls", {}))
+    return calls
+
+
+def _added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {op: a.get(op, 0) + b.get(op, 0) for op in sorted({*a, *b})}
+
+
 def run_training(cfg: TrainConfig, timeout_s: float) -> int:
     run_in_group(timeout_s, lambda proc: _train(cfg, proc, timeout_s))
     return 0
@@ -162,6 +220,9 @@ def _choose(cfg: TrainConfig, tokens) -> str | None:
 
 def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     cfg.layout.check_world(proc.world_size)
+    if cfg.collectives == "trees" and proc.device_type != "cpu":
+        raise ValueError("--collectives trees runs on CPU tensors (gloo) only in this build; on GPUs leave it out "
+                         "(NCCL)")
     tokens = load_tokens(cfg.data)
     resume = resume_point(cfg, tokens, proc.rank) if (cfg.resume or cfg.save) else None
     trainer = Trainer(cfg, proc.rank, proc.device_type, tokens=tokens, timeout_s=timeout_s)
@@ -176,8 +237,13 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
             f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}"
         )
     signals = Signals()
+    summary = Summary(cfg)
     try:
-        _loop(cfg, trainer, proc.rank, metrics, signals)
+        _loop(cfg, trainer, proc.rank, metrics, signals, summary)
+        if proc.rank == 0:
+            event = summary.event(trainer)
+            say(Summary.line(event))
+            metrics.write(event)
     except Stopped as stop:
         if proc.rank == 0:
             saved = f"; resume with --resume {cfg.save}" if cfg.save else " (no --save: nothing was saved)"
@@ -191,19 +257,23 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     dist.barrier()
 
 
-def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: Metrics, signals: Signals) -> None:
+def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: Metrics, signals: Signals,
+          summary: Summary) -> None:
     pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
     # The next switch is prepared (planned, its meshes and storage-less model built) ahead of
     # time, so that at its step only the state moves.
     prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
     while trainer.progress.step < cfg.stop_at:
         if pending and pending[0][0] == trainer.progress.step + 1:
+            summary.switching(trainer)
             report = trainer.switch(prepared)
+            summary.switched(report)
             if rank == 0:
                 _report_switch(report, metrics)
             pending.pop(0)
             prepared = trainer.prepare_switch(pending[0][1], cfg.switch_budget) if pending else None
         result = trainer.train_step()
+        summary.stepped(result)
         if rank == 0:
             report_step(trainer.cfg, result, metrics)
         step = trainer.progress.step

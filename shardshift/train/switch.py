@@ -197,7 +197,7 @@ def prepare_switch(cfg: TrainConfig, state: TrainingState, rank: int, layout: La
     space = gpt_space(new_cfg.model, new_cfg.param_dtype)
     plan = plan_transition(space, Assignment(cfg.layout, state.par.ranks), layout)
     schedule = build_schedule(plan, budget)
-    par = build_parallel(layout, rank, state.par.device.type, plan.new.ranks)
+    par = build_parallel(layout, rank, state.par.device.type, plan.new.ranks, state.par.trees)
     model = build_stage_skeleton(new_cfg.model, par, new_cfg.param_dtype)
     sink = _ModelSink(model, space, par.device)
     program = compile_program(schedule, rank)

@@ -25,7 +25,7 @@ from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, data_slice, load_tokens, loss_weight
 from shardshift.train.model import loss_fn
 from shardshift.train.optim import clip_grad_norm
-from shardshift.train.parallelize import Parallel, build_parallel, wrap_for_training
+from shardshift.train.parallelize import Parallel, build_parallel, tree_options, wrap_for_training
 from shardshift.train.state import Progress, TrainingState
 from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_report, switch_state
 
@@ -75,7 +75,8 @@ class Trainer:
         self.rank = rank
         self.group = dist.group.WORLD if group is None else group
         self.timeout_s = timeout_s
-        self.state = state or TrainingState.initial(cfg, build_parallel(cfg.layout, rank, device_type, ranks))
+        self.state = state or TrainingState.initial(
+            cfg, build_parallel(cfg.layout, rank, device_type, ranks, tree_options(cfg, timeout_s)))
         self.stream = BatchStream(
             load_tokens(cfg.data) if tokens is None else tokens,
             cfg.model.seq_len,

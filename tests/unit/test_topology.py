@@ -188,3 +188,41 @@ def test_pair_rates_of_presets():
     assert rates[(0, 5)] == 5e9  # across the spine: the uplink is the bottleneck
     d = pair_rates(dgx1v([0, 1, 5]))
     assert d[(0, 1)] == 25e9 and d[(0, 2)] == 10e9 and d[(2, 1)] == 50e9
+
+
+# ---------------------------------------------------------------- a group's part of the network
+
+
+def test_a_group_sees_its_ranks_links_and_every_switch():
+    t = fat_tree(4, hosts_per_leaf=2)  # ranks 0-3, two leaves, spines
+    sub = t.restricted([1, 3])
+    assert (sub.num_ranks, sub.num_switches) == (2, t.num_switches)
+    assert sub.names[:2] == (t.names[1], t.names[3])
+    # Every link of the sub-network is a link of the network between the nodes it maps back to.
+    back = [1, 3, *range(4, t.num_nodes)]
+    assert {(back[l.src], back[l.dst], l.capacity) for l in sub.links} == {
+        (l.src, l.dst, l.capacity) for l in t.links if l.src in back and l.dst in back}
+
+
+def test_a_group_whose_ranks_only_other_ranks_join_is_refused():
+    with pytest.raises(ValueError, match=r"ranks 2 and 0 of the group of ranks \[0, 2\] are not joined"):
+        ring(4, bidirectional=True).restricted([0, 2])
+    assert ring(4).restricted([1, 2]).num_ranks == 2  # neighbours keep their link
+
+
+def test_a_group_takes_a_preset_at_its_size_and_its_part_of_a_file_of_the_whole_job(tmp_path):
+    from shardshift.collectives.topology.spec import group_topology
+
+    path = tmp_path / "net.yaml"
+    path.write_text("ranks: 4\nlinks:\n  - {between: [0, 1], bandwidth: 1 Gbit/s}\n"
+                    "  - {between: [1, 2], bandwidth: 2 Gbit/s}\n  - {between: [2, 3], bandwidth: 1 Gbit/s}\n"
+                    "  - {between: [3, 0], bandwidth: 1 Gbit/s}\n")
+    assert group_topology("ring", [0, 2], 4).num_ranks == 2  # a preset is sized to the group
+    whole = group_topology(str(path), [0, 1, 2, 3], 4)
+    assert whole == load_topology(str(path))
+    part = group_topology(str(path), [1, 2], 4)
+    assert [(l.src, l.dst, l.capacity) for l in part.links] == [(0, 1, 2e9 / 8), (1, 0, 2e9 / 8)]
+    with pytest.raises(ValueError, match="not joined"):
+        group_topology(str(path), [0, 2], 4)
+    with pytest.raises(ValueError, match="has 4 ranks, but the group has 2 and the job 8"):
+        group_topology(str(path), [0, 1], 8)

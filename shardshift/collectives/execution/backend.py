@@ -17,7 +17,10 @@ environment variable SHARDSHIFT_TOPOLOGY, else `full`: every rank linked to ever
 rate, which needs no measuring and packs trees that use all pairs alike. A spec is a string of
 topology/spec.py (`full`, `ring`, `dgx1v:0,1,2,3`, a YAML path) or `probe`: the group measures
 its pair bandwidths when it is created (topology/probe.py; about a second for 4 ranks), every rank then
-holds the same measured topology. A Topology object may be given directly too.
+holds the same measured topology. A Topology object may be given directly too. A group of some
+of the job's ranks (a DeviceMesh's axis) given a file or Topology of the whole job packs on the
+part of that network its ranks see (`topology.spec.group_topology`). `tree_calls` counts the
+calls each op ran on trees.
 
 How calls run: every tree collective is queued to one worker thread per group, in the order the
 caller issues them (the same order on every rank, as torch requires), and returns a Work at once;
@@ -34,6 +37,7 @@ refused with a message. Nothing here has run on a GPU.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import queue
@@ -50,7 +54,7 @@ from shardshift.collectives.execution.reduction import Reduction, UnsupportedRed
 from shardshift.collectives.execution.runner import RunOptions, TreeCollectives
 from shardshift.collectives.planning.ops import Collective
 from shardshift.collectives.topology.model import Topology
-from shardshift.collectives.topology.spec import DEFAULT_SPEC, is_probe, topology_from_spec
+from shardshift.collectives.topology.spec import DEFAULT_SPEC, group_topology, is_probe
 
 BACKEND_NAME = "shardshift"
 TOPOLOGY_ENV = "SHARDSHIFT_TOPOLOGY"
@@ -82,6 +86,11 @@ class ShardShiftOptions:
 
     def topology_spec(self) -> str | Topology:
         return self.topology if self.topology is not None else os.environ.get(TOPOLOGY_ENV, DEFAULT_SPEC)
+
+    @property
+    def _timeout(self) -> timedelta:
+        """What DeviceMesh reads from the options of the groups it builds (`backend_override`)."""
+        return timedelta(seconds=self.run.timeout_s)
 
 
 class _TreeWork(dist.Work):
@@ -152,7 +161,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
     """See the module docstring. Built by torch through `register_backend()`; not meant to be built by hand."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta,
-                 options: ShardShiftOptions | None = None) -> None:
+                 options: ShardShiftOptions | None = None, global_ranks: list[int] | None = None) -> None:
         super().__init__(rank, size)
         self._options = options or ShardShiftOptions()
         self._timeout = timeout
@@ -171,10 +180,12 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
 
             topology = probe_topology(self._tree_pg)
         else:
-            topology = topology_from_spec(spec, size)
+            world = dist.get_world_size() if dist.is_initialized() else size
+            topology = group_topology(spec, list(global_ranks or range(size)), world)
         self.topology = topology
         self._trees = {"cpu": TreeCollectives(self._tree_pg, topology, self._options.run)}
         self._chooser = Chooser(self._tree_pg, self._options.trials) if self._options.algorithm == "auto" else None
+        self.tree_calls: collections.Counter[str] = collections.Counter()  # op -> calls run on trees
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._serve, name=f"shardshift-pg-r{rank}", daemon=True)
         self._worker.start()
@@ -379,7 +390,11 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
             job = _waited(small)  # gloo's own, queued all the same: calls keep their issue order
         else:
             trees = self._trees[device]
-            job = lambda: run(trees)  # noqa: E731
+
+            def job() -> None:
+                self.tree_calls[op.value if op is not None else "barrier"] += 1
+                run(trees)
+
             if self._chooser is not None and small is not None:
                 job = functools.partial(self._chooser.run, call_class(op, tensor, root), job, _waited(small))
         self._jobs.put((job, future, result))
@@ -411,8 +426,8 @@ def _create(backend_options, pg_options) -> ShardShiftProcessGroup:
     if pg_options is not None and not isinstance(pg_options, ShardShiftOptions):
         raise ValueError(f"pg_options for the shardshift backend must be ShardShiftOptions, got "
                          f"{type(pg_options).__name__}")  # fmt: skip
-    return ShardShiftProcessGroup(backend_options.store, backend_options.group_rank,
-                                  backend_options.group_size, backend_options.timeout, pg_options)  # fmt: skip
+    return ShardShiftProcessGroup(backend_options.store, backend_options.group_rank, backend_options.group_size,
+                                  backend_options.timeout, pg_options, backend_options.global_ranks_in_group)
 
 
 def register_backend() -> None:

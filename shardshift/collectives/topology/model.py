@@ -17,6 +17,7 @@ Topologies come from presets (`shardshift.collectives.topology.presets`), from a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -156,6 +157,41 @@ class Topology:
         return Topology(
             self.num_ranks, links, self.num_switches, self.names, self.link_unit, f"{self.name}^R"
         )
+
+    def restricted(self, ranks: Sequence[int]) -> Topology:
+        """The network as a group of some of its ranks sees it: rank i of the result is
+        `ranks[i]` here; every switch stays, and every link between the nodes that stay. The
+        other ranks are gone: they relay nothing for a group they are not in. Raises ValueError
+        when some member cannot reach another that way."""
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.num_ranks for r in ranks):
+            raise ValueError(f"ranks {ranks}: give distinct ranks of {self.name} (0..{self.num_ranks - 1})")
+        switches = range(self.num_ranks, self.num_nodes)
+        node = {old: new for new, old in enumerate([*ranks, *switches])}
+        links = tuple(Link(node[l.src], node[l.dst], l.capacity, l.latency)
+                      for l in self.links if l.src in node and l.dst in node)
+        names = tuple(self.names[old] for old in node)
+        sub = Topology(len(ranks), links, self.num_switches, names, self.link_unit,
+                       f"{self.name}[{','.join(map(str, ranks))}]")
+        for direction in (sub, sub.reversed()):
+            unreached = set(range(sub.num_ranks)) - direction.reachable(0)
+            if unreached:
+                cut = ", ".join(str(ranks[r]) for r in sorted(unreached))
+                raise ValueError(f"in {self.name}, ranks {cut} and {ranks[0]} of the group of ranks "
+                                 f"{ranks} are not joined by links among the group's ranks and the "
+                                 "switches (other ranks relay nothing for the group)")
+        return sub
+
+    def reachable(self, source: int) -> set[int]:
+        """The nodes reached from `source` along links."""
+        seen, frontier = {source}, [source]
+        while frontier:
+            u = frontier.pop()
+            for link in self.links:
+                if link.src == u and link.dst not in seen:
+                    seen.add(link.dst)
+                    frontier.append(link.dst)
+        return seen
 
     def describe(self) -> str:
         """One line: name, ranks, switches, links."""

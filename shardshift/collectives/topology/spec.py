@@ -67,6 +67,27 @@ def topology_from_spec(spec: str, num_ranks: int) -> Topology:
     return topology
 
 
+def group_topology(spec: str | Topology, global_ranks: list[int], world_size: int) -> Topology:
+    """The topology of a group of the default group's ranks `global_ranks` (in group rank order):
+    `spec` sized to the group (a preset, or a file or Topology of the group's size), or, from a
+    file or Topology of the whole job (a DeviceMesh gives its sub-groups the job's network), the
+    part of that network the group sees (`Topology.restricted`)."""
+    size = len(global_ranks)
+    whole = list(global_ranks) == list(range(world_size))
+    if isinstance(spec, Topology):
+        topology = spec
+    elif whole or not os.path.exists(spec.strip()):
+        return topology_from_spec(spec, size)
+    else:
+        topology = load_topology(spec.strip())
+    if topology.num_ranks == size:
+        return topology
+    if topology.num_ranks != world_size:
+        raise ValueError(f"topology {topology.name} has {topology.num_ranks} ranks, but the group has {size} "
+                         f"and the job {world_size}: describe the group or the whole job")
+    return topology.restricted(global_ranks)
+
+
 def topology_to_dict(topology: Topology) -> dict:
     """A JSON-able mapping that `topology_from_dict` (io.py) reads back to an equal
     Topology: names, links with rates in bytes/s, latencies in seconds."""
