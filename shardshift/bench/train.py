@@ -2,10 +2,16 @@
 the same processes.
 
     shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4;tp=4'
+    shardshift bench train --nproc 4 --layout dp=4 --also fsdp=4 --topology hetero4x.yaml --emulate
 
 Every variant trains the same model on the same batches with the same optimizer. The variants take
 turns: after a warm-up, each round runs `steps` steps of every variant in order, so slow drifts of a
 noisy machine hit them all alike. Tokens/s are computed from the summed time of each variant.
+
+With `topology`, every layout is trained twice, its data-parallel collectives on gloo and on packed
+trees (`--collectives trees`), and `emulate` runs the ranks on that network, emulated
+(`shardshift.netemu`: every ordered pair of ranks shaped to its rate × `emulate_scale`), so that
+gloo's ring and the trees meet the links they would meet there.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class TrainBenchOptions:
     warmup: int = 2  # untimed steps per variant first
     timeout_s: float = 600.0
     json: bool = False
+    topology: str | None = None  # a YAML file: train each layout on gloo and on trees packed on it
+    emulate: bool = False  # run the ranks on `topology`'s links, emulated
+    emulate_scale: float = 1.0  # emulated rate / topology rate
 
     def __post_init__(self) -> None:
         for name in ("steps", "rounds"):
@@ -51,9 +60,21 @@ class TrainBenchOptions:
         if self.base.steps < self.warmup + self.steps * self.rounds:
             raise ValueError(f"the run's --steps {self.base.steps} is shorter than the bench's "
                              f"{self.warmup + self.steps * self.rounds} steps per variant")
+        if self.emulate and self.topology is None:
+            raise ValueError("--emulate needs --topology FILE: the network to emulate")
         for layout in self.layouts:
             layout.check_world(self.nproc)
-            self.base.with_layout(layout)  # refuses a layout the model or the batch cannot take
+            for collectives in self.collectives:
+                self.config(layout, collectives)  # refuses a layout the model, batch or topology cannot take
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        return ("gloo", "trees") if self.topology is not None else ("gloo",)
+
+    def config(self, layout: Layout, collectives: str) -> TrainConfig:
+        trees = collectives == "trees"
+        return dataclasses.replace(self.base.with_layout(layout), collectives=collectives,
+                                   topology=self.topology if trees else None)
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
@@ -90,10 +111,27 @@ class PlainDDP:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-    name: str  # "ddp" or a layout
+    name: tuple[str, str]  # ("ddp" or a layout, "gloo" or "trees")
     steps: int
     seconds: float
     tokens_per_s: float
+
+
+def start(opts: TrainBenchOptions, argv: list[str]) -> int:
+    """Start the ranks, each running ``shardshift <argv>`` (`run_rank`), on loopback or inside the
+    emulated network; the job's exit status."""
+    from shardshift.launch import launch
+
+    if not opts.emulate:
+        return launch(opts.nproc, argv, timeout_s=opts.timeout_s)
+    from shardshift.collectives.topology.io import load_topology
+    from shardshift.netemu import EmulatedNetwork, emulation_rates, netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"--emulate: {reason}")
+    with EmulatedNetwork(emulation_rates(load_topology(opts.topology), opts.emulate_scale), opts.nproc) as net:
+        return launch(opts.nproc, argv, spawn=net.spawn, timeout_s=opts.timeout_s)
 
 
 def run_rank(opts: TrainBenchOptions) -> int:
@@ -108,12 +146,14 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
     """DDP and every layout of `opts`, measured in turns (see the module docstring)."""
     base, steps, rounds, warmup = opts.base, opts.steps, opts.rounds, opts.warmup
     tokens = load_tokens(base.data)
-    variants: dict[str, object] = {}
+    variants: dict[tuple[str, str], object] = {}
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     stream = BatchStream(tokens, base.model.seq_len, base.global_batch, base.seed)
-    variants["ddp"] = PlainDDP(base, rank, device, stream)
+    variants["ddp", "gloo"] = PlainDDP(base, rank, device, stream)
     for layout in opts.layouts:
-        variants[str(layout)] = Trainer(base.with_layout(layout), rank, device_type, tokens=tokens)
+        for collectives in opts.collectives:
+            variants[str(layout), collectives] = Trainer(opts.config(layout, collectives), rank, device_type,
+                                                         tokens=tokens, timeout_s=opts.timeout_s)
     seconds = dict.fromkeys(variants, 0.0)
     for name, variant in variants.items():
         for _ in range(warmup):
@@ -135,17 +175,24 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
 
 def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str) -> None:
     ddp = results[0]
+    gloo = {r.name[0]: r.tokens_per_s for r in results if r.name[1] == "gloo"}
     rows = [
-        {"impl": r.name, "tokens_per_s": r.tokens_per_s, "seconds": r.seconds, "steps": r.steps,
-         "ratio_vs_ddp": r.tokens_per_s / ddp.tokens_per_s}
+        {"impl": r.name[0], "layout": r.name[0], "collectives": r.name[1], "tokens_per_s": r.tokens_per_s,
+         "seconds": r.seconds, "steps": r.steps, "ratio_vs_ddp": r.tokens_per_s / ddp.tokens_per_s,
+         "ratio_vs_gloo": r.tokens_per_s / gloo[r.name[0]]}
         for r in results
     ]
     base = opts.base
     if opts.json:
-        print(json.dumps({"model": base.model_name, "nproc": opts.nproc, "device": device_type, "rows": rows}))
+        print(json.dumps({"model": base.model_name, "nproc": opts.nproc, "device": device_type,
+                          "topology": opts.topology, "emulate_scale": opts.emulate_scale if opts.emulate else None,
+                          "rows": rows}))
         return
-    print(f"model {base.model_name}, {opts.nproc} {device_type} ranks, global batch {base.global_batch}, "
+    where = f", on {opts.topology}" + (f" emulated at {opts.emulate_scale:.4g} × its rates" if opts.emulate
+                                       else " (loopback)") if opts.topology else ""
+    print(f"model {base.model_name}, {opts.nproc} {device_type} ranks{where}, global batch {base.global_batch}, "
           f"{ddp.steps} timed steps per variant")
-    print(f"{'impl':<16}{'tokens/s':>12}{'vs DDP':>9}")
+    print(f"{'layout':<16}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs gloo':>9}")
     for row in rows:
-        print(f"{row['impl']:<16}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}")
+        print(f"{row['layout']:<16}{row['collectives']:<13}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}"
+              f"{row['ratio_vs_gloo']:>9.3f}")

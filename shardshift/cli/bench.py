@@ -95,6 +95,11 @@ def _add_train(benches) -> None:
     p.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="a YAML topology: train every layout on gloo and on trees packed on it (--collectives trees)")
+    p.add_argument("--emulate", action="store_true", help="run the ranks on --topology's links, emulated (root)")
+    p.add_argument("--emulate-scale", default="auto",
+                   help="emulated rate = topology pair rate × this; 'auto' maps the fastest pair to 1 Gbit/s")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_run_train)
@@ -109,14 +114,22 @@ def _train_options(args: argparse.Namespace):
     base = TrainConfig(layout=layout, model=model_config(args.model), model_name=args.model,
                        steps=args.warmup + args.steps * args.rounds, dtype=args.dtype,
                        global_batch=args.global_batch)
+    scale = 1.0
+    if args.emulate and args.topology is not None:
+        from shardshift.collectives.topology.io import load_topology
+        from shardshift.netemu.topology import auto_scale
+
+        scale = (auto_scale(load_topology(args.topology)) if args.emulate_scale == "auto"
+                 else _positive(args.emulate_scale, "--emulate-scale"))
     return TrainBenchOptions(base=base, also=_layouts(args.also), nproc=args.nproc, steps=args.steps,
-                             rounds=args.rounds, warmup=args.warmup, timeout_s=args.timeout, json=args.json)
+                             rounds=args.rounds, warmup=args.warmup, timeout_s=args.timeout, json=args.json,
+                             topology=args.topology, emulate=args.emulate, emulate_scale=scale)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from shardshift.bench.train import run_rank
+    from shardshift.bench.train import run_rank, start
 
-    return _job(args, lambda: _train_options(args), run_rank)
+    return _job(args, lambda: _train_options(args), run_rank, start)
 
 
 # ---- switch ---------------------------------------------------------------------------------------

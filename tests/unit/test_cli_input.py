@@ -50,6 +50,10 @@ def _not_a_worker(monkeypatch):
         (["--nproc", "3", "--layout", "dp=3", "--global-batch", "3", "--switch", "10:tp=3"],
          "--switch 10:tp=3: tp=3 does not divide n_head=8"),
         (["--switch-budget", "1K"], "--switch-budget 1024 bytes is too small"),
+        (["--topology", "ring"], "--topology describes the network the trees are packed on: give --collectives trees"),
+        (["--collectives", "trees", "--topology", "/nonexistent.yaml"], "--topology: topology '/nonexistent.yaml'"),
+        (["--collectives", "trees", "--topology", "dgx1v:0,1"], "--topology: .* has 2 ranks but the group has 4"),
+        (["--collectives", "trees", "--elastic", "--nproc", "2"], "--collectives trees does not go with --elastic"),
     ],
 )
 def test_train_refuses_bad_input_before_any_process_starts(args, needle, capsys, monkeypatch):
@@ -142,6 +146,7 @@ def test_train_argv_gives_back_the_configuration_it_was_made_from():
         TrainConfig(layout=Layout(fsdp=2, tp=2), stop_at=4, data="corpus.txt", save="ckpt", save_every=2,
                     resume="old", metrics="m.jsonl", switches=((3, Layout(tp=2, pp=2)), (6, Layout(dp=4))), **base),
         TrainConfig(layout=Layout(pp=2, dp=2), micro_batches=2, **base),
+        TrainConfig(layout=Layout(dp=4), collectives="trees", topology="ring", **base),
     ]
     for cfg in configs:
         argv = train_argv(cfg, nproc=4, timeout_s=12.5)
@@ -158,6 +163,8 @@ def test_train_argv_gives_back_the_configuration_it_was_made_from():
     (["--also", "pp=4", "--global-batch", "4"], "do not split into --micro-batches 8"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
     (["--model", "huge"], "--model 'huge' is unknown"),
+    (["--emulate"], "--emulate needs --topology FILE"),
+    (["--topology", "/nonexistent.yaml"], "--topology: topology '/nonexistent.yaml': no file"),
 ])
 def test_bench_train_refuses_bad_input_before_any_process_starts(argv, message, capsys):
     assert main(["bench", "train", *argv]) == 2
