@@ -16,6 +16,7 @@ import sys
 _COMMANDS = (
     ("train", "shardshift.cli.train"),
     ("join", "shardshift.cli.join"),
+    ("sample", "shardshift.cli.sample"),
     ("topo", "shardshift.cli.topo"),
     ("bench", "shardshift.cli.bench"),  # benchmarks that print ratios measured side by side in one run
 )

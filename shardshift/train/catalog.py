@@ -224,11 +224,11 @@ def prunable(root: Path, run: RunIdentity, step: int, keep: int) -> list[Path]:
     return ours[max(keep - 1, 0):]
 
 
-def choose(where: str, run: RunIdentity, missing_ok: bool = False) -> Choice:
+def choose(where: str, run: RunIdentity | None, missing_ok: bool = False) -> Choice:
     """The checkpoint `--resume where` takes for `run`: `where` itself if it is one, else the
     newest intact ``step-*`` in it. Unfinished saves and damaged checkpoints are passed over (the
-    choice says why); the checkpoint taken must be of the same run, else ValueError naming the
-    field that differs. With `missing_ok` (``--resume auto``), no checkpoint at all (unfinished
+    choice says why); the checkpoint taken must be of the same run (of any run for None), else
+    ValueError naming the field that differs. With `missing_ok` (``--resume auto``), no checkpoint at all (unfinished
     saves aside) is a choice of None; checkpoints none of which is intact are still a ValueError:
     starting afresh would go on to replace them."""
     root = Path(where)
@@ -251,7 +251,7 @@ def choose(where: str, run: RunIdentity, missing_ok: bool = False) -> Choice:
         except ValueError as err:
             skipped.append((path, str(err)))
             continue
-        other = run.difference(manifest.run)
+        other = None if run is None else run.difference(manifest.run)
         if other is not None:
             raise ValueError(f"{flag}: {path} was saved by another run: {other}. Resume with the same "
                              "settings, or --save into a new directory")

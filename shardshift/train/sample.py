@@ -1,0 +1,81 @@
+"""Text from a trained model: `shardshift sample --resume DIR`.
+
+The newest intact checkpoint in DIR (or DIR itself, if it is one) is read into one process,
+whatever layout wrote it: its manifest names the model, and DCP reshards every parameter into a
+whole tensor on load (optimizer state is not read). The model reads and writes bytes (a vocabulary
+of 256), so a prompt is its UTF-8 bytes and the text is decoded with invalid bytes replaced.
+
+Sampling draws each next byte from the softmax of the last position's logits divided by the
+temperature, with a generator seeded by `seed` (temperature 0: always the most likely byte). The
+context is the last `seq_len` bytes. The same checkpoint, prompt and seed give the same text,
+whatever layout the checkpoint was saved under: the parameters DCP gives back are the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from shardshift.train.catalog import Manifest, choose
+from shardshift.train.config import DTYPES
+from shardshift.train.model import GPT, ModelConfig
+
+DEFAULT_PROMPT = "ROMEO:\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    checkpoint: Path
+    manifest: Manifest
+    prompt: str
+    text: str  # what the model wrote after the prompt
+
+
+def load_model(where: str) -> tuple[GPT, Path, Manifest]:
+    """The model of the newest intact checkpoint in `where` (of any run), on the CPU, in eval mode;
+    ValueError naming --resume when there is none."""
+    choice = choose(where, run=None)
+    manifest = choice.manifest
+    cfg = ModelConfig(**manifest.run.model_config)
+    dtype = torch.float32 if manifest.run.dtype == "bfloat16" else DTYPES[manifest.run.dtype]
+    model = GPT(cfg).to(dtype)
+    state = {f"param:{name}": param.detach() for name, param in model.named_parameters()}
+    with warnings.catch_warnings():  # DCP says it is loading in one process, as it is meant to here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(choice.path), no_dist=True)  # into the parameters, resharded
+    return model.eval(), choice.path, manifest
+
+
+def generate(model: GPT, prompt: bytes, tokens: int, temperature: float, seed: int) -> bytes:
+    """`tokens` bytes that follow `prompt` (see the module docstring)."""
+    if not prompt:
+        raise ValueError("--prompt is empty: give at least one character to start from")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(list(prompt), dtype=torch.int64)[None]
+    out = []
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(ids[:, -model.cfg.seq_len:])[0, -1].double()
+            if temperature == 0:
+                nxt = int(torch.argmax(logits))
+            else:
+                nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return bytes(out)
+
+
+def sample(where: str, prompt: str = DEFAULT_PROMPT, tokens: int = 200, temperature: float = 0.8,
+           seed: int = 0) -> Sample:
+    """Text written by the model saved in `where` after `prompt`."""
+    if tokens < 1:
+        raise ValueError(f"--tokens {tokens} must be >= 1")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature {temperature} must be >= 0 (0: the most likely byte each time)")
+    model, path, manifest = load_model(where)
+    text = generate(model, prompt.encode(), tokens, temperature, seed).decode("utf-8", errors="replace")
+    return Sample(path, manifest, prompt, text)

@@ -1,0 +1,69 @@
+"""`shardshift sample`: text from a checkpoint, read into one process whatever layout saved it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardshift.layout import Layout
+from shardshift.train import checkpoint
+from shardshift.train.config import TrainConfig, model_config
+from shardshift.train.sample import sample
+from shardshift.train.trainer import Trainer
+from support.dist import run_distributed
+
+pytestmark = pytest.mark.multiproc
+
+LAYOUTS = ["fsdp=2,tp=2", "tp=2,pp=2", "dp=4"]
+
+
+def _config(layout: str) -> TrainConfig:
+    return TrainConfig(layout=Layout.parse(layout), model=model_config("test"), model_name="test", steps=10,
+                       dtype="float32", global_batch=8, seed=2)
+
+
+def _save_under_every_layout(rank: int, world_size: int, root: str) -> None:
+    """One state, saved under each of LAYOUTS: trained under the first, then loaded (resharded
+    by DCP) and saved again under each other."""
+    trainer = Trainer(_config(LAYOUTS[0]), rank, "cpu")
+    for _ in range(3):
+        trainer.train_step()
+    saved = checkpoint.save(trainer, f"{root}/{LAYOUTS[0]}")
+    for layout in LAYOUTS[1:]:
+        other = Trainer(_config(layout), rank, "cpu")
+        checkpoint.load(other, saved)
+        checkpoint.save(other, f"{root}/{layout}")
+
+
+def test_the_same_state_saved_under_three_layouts_writes_the_same_text(tmp_path):
+    run_distributed(4, _save_under_every_layout, str(tmp_path))
+    samples = [sample(str(tmp_path / layout), prompt="KING:\n", tokens=60, temperature=1.0, seed=7)
+               for layout in LAYOUTS]
+    assert [s.manifest.layout for s in samples] == LAYOUTS and {s.manifest.step for s in samples} == {3}
+    assert len({s.text for s in samples}) == 1 and len(samples[0].text) > 0
+    assert sample(str(tmp_path / LAYOUTS[0]), prompt="KING:\n", tokens=60, temperature=1.0, seed=8).text != \
+        samples[0].text  # the seed matters
+    greedy = [sample(str(tmp_path / layout), prompt="KING:\n", tokens=20, temperature=0).text for layout in LAYOUTS]
+    assert len(set(greedy)) == 1
+
+    # The command: the prompt and its continuation on stdout, which checkpoint on stderr.
+    out = subprocess.run([sys.executable, "-m", "shardshift", "sample", "--resume", str(tmp_path / "dp=4"),
+                          "--prompt", "KING:\n", "--tokens", "60", "--temperature", "1", "--seed", "7"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "KING:\n" + samples[0].text + "\n"
+    assert "step-00000003 (step 3, saved under dp=4), seed 7" in out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
+    (["--resume", "."], "no complete checkpoint in it"),
+])
+def test_sample_refuses_what_it_cannot_read(argv, message, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "shardshift", "sample", *argv], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("shardshift: error: ") and message in out.stderr, out.stderr
+    assert not Path(tmp_path).joinpath("step-00000000").exists()
