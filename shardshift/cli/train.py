@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env
@@ -55,6 +56,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-budget", default="256M",
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--plot", action="store_true",
+                   help="at the end, draw the run (loss, tokens/s, switches) beside --metrics, as .png")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="the run's outputs in DIR: metrics.jsonl, its picture metrics.png, the last checkpoint "
+                        "in checkpoints/, and a sample of text at the end (the default job: runs/train-TIME)")
     p.add_argument("--collectives", choices=["gloo", "trees"], default="gloo",
                    help="trees: DDP's and FSDP2's collectives on packed trees (the shardshift backend)")
     p.add_argument("--topology", default=None, metavar="FILE",
@@ -131,16 +137,17 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         micro_batches=args.micro_batches,
         optim=optim,
         data=args.data,
-        save=args.save,
+        save=args.save or (str(Path(args.run_dir) / "checkpoints") if args.run_dir else None),
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
-        metrics=args.metrics,
+        metrics=args.metrics or (str(Path(args.run_dir) / "metrics.jsonl") if args.run_dir else None),
         log_every=args.log_every,
         switches=_switches(args, layout),
         switch_budget=parse_size(args.switch_budget, "--switch-budget"),
         collectives=args.collectives,
         topology=args.topology,
+        plot=args.plot or (args.run_dir is not None and _can_draw()),
     )
 
 
@@ -177,20 +184,24 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
         argv += ["--collectives", cfg.collectives]
     if cfg.topology is not None:
         argv += ["--topology", cfg.topology]
+    if cfg.plot:
+        argv += ["--plot"]
     return argv
 
 
 def _check_before_launch(cfg, log_dir: str | None) -> None:
     """What the workers would refuse, refused before they start (they check again: under torchrun
     nothing runs before them)."""
-    from pathlib import Path
-
     from shardshift.train.catalog import RunIdentity, check_save_dir, choose
     from shardshift.train.data import BatchStream, digest, load_tokens
 
     for flag, value in (("--save", cfg.save), ("--log-dir", log_dir)):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
             raise ValueError(f"{flag} {value}: a file is in the way; give a directory")
+    if cfg.plot:
+        from shardshift.plots.canvas import check_drawable
+
+        check_drawable(Path(cfg.picture), "--plot")
     if cfg.metrics is not None:
         metrics = Path(cfg.metrics)
         if metrics.is_dir() or not metrics.parent.is_dir():
@@ -323,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
     if given:
         print(f"shardshift: error: {given[0]} needs --elastic", file=sys.stderr)
         return 2
+    argv = list(args.argv)
     try:
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
@@ -330,8 +342,13 @@ def run(args: argparse.Namespace) -> int:
         layout = _layout(args, nproc)
         nproc = layout.world_size if nproc is None else nproc
         layout.check_world(nproc)
+        if not in_worker() and args.run_dir is None and _is_default_job(args, layout):
+            args.run_dir = _new_run_dir()  # the workers are told where it is
+            argv += ["--run-dir", args.run_dir]
         cfg = config_from_args(args, layout)  # also checks every --switch layout against the job
         if not in_worker():
+            if args.run_dir is not None:
+                Path(args.run_dir).mkdir(parents=True, exist_ok=True)
             _check_before_launch(cfg, args.log_dir)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
@@ -342,4 +359,43 @@ def run(args: argparse.Namespace) -> int:
         return worker_main(cfg, args.timeout)
     from shardshift.launch import launch
 
-    return launch(nproc, args.argv, log_dir=args.log_dir)
+    if args.run_dir is not None:
+        print(f"this run's outputs go to {args.run_dir}/", flush=True)
+    code = launch(nproc, argv, log_dir=args.log_dir)
+    if code == 0 and args.run_dir is not None:
+        _after_run_dir(cfg)
+    return code
+
+
+def _can_draw() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _is_default_job(args: argparse.Namespace, layout: Layout) -> bool:
+    """`shardshift train` as the README's first command runs it: the default layout and switches,
+    and nothing said of where its outputs go."""
+    return (args.layout is None and args.switch is None and layout == DEFAULT_LAYOUT and args.metrics is None
+            and args.save is None and args.resume is None)
+
+
+def _new_run_dir() -> str:
+    import time
+
+    base = Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    path, k = base, 1
+    while path.exists():
+        path, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return str(path)
+
+
+def _after_run_dir(cfg) -> None:
+    """What a run with --run-dir left, said, and a short sample of text from its last checkpoint."""
+    from shardshift.train.sample import sample
+
+    out = sample(cfg.save, tokens=200, seed=0)
+    picture = cfg.picture or "none (matplotlib is not installed: pip install 'shardshift[plot]')"
+    print(f"metrics: {cfg.metrics}\npicture: {picture}\ncheckpoint: {out.checkpoint}\n"
+          f"text from the trained model (again: shardshift sample --resume {cfg.save}):\n\n{out.prompt}{out.text}\n",
+          flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 
@@ -75,6 +76,7 @@ class TrainConfig:
     # `shardshift` backend: a YAML file or a spec of `collectives.topology.spec`; None: "full").
     collectives: str = "gloo"
     topology: str | None = None
+    plot: bool = False  # at the end, rank 0 draws the run beside its metrics (METRICS with .png)
     auto_micro_batches: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,8 @@ class TrainConfig:
         self.check_batch(self.layout)
         self._check_collectives()
         self._check_switches()
+        if self.plot and not self.metrics:
+            raise ValueError("--plot draws the run from its metrics: give --metrics FILE (or --run-dir DIR) too")
 
     def _check_collectives(self) -> None:
         if self.collectives not in COLLECTIVES:
@@ -144,6 +148,11 @@ class TrainConfig:
             previous = step
         if self.switch_budget < MIN_BUDGET:
             raise ValueError(f"--switch-budget {self.switch_budget} bytes is too small; give at least 4K")
+
+    @property
+    def picture(self) -> str | None:
+        """Where `plot` draws the run: beside the metrics, as .png."""
+        return str(Path(self.metrics).with_suffix(".png")) if self.plot else None
 
     @property
     def resume_from(self) -> str | None:

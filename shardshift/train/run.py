@@ -254,6 +254,11 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     finally:
         signals.restore()
         metrics.close()
+    if proc.rank == 0 and cfg.plot:
+        from shardshift.plots.runs import draw_runs
+
+        draw_runs([Path(cfg.metrics)], Path(cfg.picture))
+        say(f"drew the run in {cfg.picture}")
     dist.barrier()
 
 
