@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from shardshift.console import say
 from shardshift.layout import Layout
+from shardshift.plots.canvas import check_drawable
 from shardshift.runtime import run_in_group
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
@@ -39,6 +42,7 @@ class TrainBenchOptions:
     warmup: int = 2  # untimed steps per variant first
     timeout_s: float = 600.0
     json: bool = False
+    plot: Path | None = None  # rank 0 draws the report here (a PNG) once it exists
 
     def __post_init__(self) -> None:
         for name in ("steps", "rounds"):
@@ -54,6 +58,8 @@ class TrainBenchOptions:
         for layout in self.layouts:
             layout.check_world(self.nproc)
             self.base.with_layout(layout)  # refuses a layout the model or the batch cannot take
+        if self.plot is not None:
+            check_drawable(self.plot, "--plot")
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
@@ -100,7 +106,12 @@ def run_rank(opts: TrainBenchOptions) -> int:
     """One rank's part of the bench; rank 0 prints the report."""
     proc, results = run_in_group(opts.timeout_s, lambda proc: run_bench(opts, proc.rank, proc.device_type))
     if proc.rank == 0:
-        report(opts, results, proc.device_type)
+        result = report(opts, results, proc.device_type)
+        if opts.plot is not None:
+            from shardshift.plots.bench import draw_train_bench
+
+            draw_train_bench(result, opts.plot)
+            say(f"wrote {opts.plot}", "stderr")
     return 0
 
 
@@ -133,7 +144,8 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
     ]
 
 
-def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str) -> None:
+def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str) -> dict:
+    """Print the throughputs: one JSON object, or the table. Returns that object (what ``--json`` prints)."""
     ddp = results[0]
     rows = [
         {"impl": r.name, "tokens_per_s": r.tokens_per_s, "seconds": r.seconds, "steps": r.steps,
@@ -141,11 +153,13 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
         for r in results
     ]
     base = opts.base
+    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "rows": rows}
     if opts.json:
-        print(json.dumps({"model": base.model_name, "nproc": opts.nproc, "device": device_type, "rows": rows}))
-        return
+        print(json.dumps(result))
+        return result
     print(f"model {base.model_name}, {opts.nproc} {device_type} ranks, global batch {base.global_batch}, "
           f"{ddp.steps} timed steps per variant")
     print(f"{'impl':<16}{'tokens/s':>12}{'vs DDP':>9}")
     for row in rows:
         print(f"{row['impl']:<16}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}")
+    return result
