@@ -85,8 +85,10 @@ def read_history(path: Path) -> RunHistory:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file; give the file `shardshift train --metrics FILE` wrote") from None
-    except (IsADirectoryError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: cannot be read as text ({err.__class__.__name__}); {_FORMAT}") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read ({err.strerror or err}); give a readable metrics file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; {_FORMAT}") from None
     steps: dict[int, StepPoint] = {}
     events: list[RunEvent] = []
     for number, line in enumerate(lines, 1):

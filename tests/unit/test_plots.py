@@ -395,6 +395,31 @@ def test_train_bench_bars_per_layout_grouped_by_further_columns(tmp_path, capsys
     assert all(a.get_x() < b.get_x() for a, b in zip(gloo, trees))  # side by side over each layout
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_draws_the_report_it_printed(tmp_path, capsys, monkeypatch, rank):
+    """The benches' rank code, its process group replaced by what the ranks would have measured."""
+    from shardshift.bench import switch, train
+
+    proc = type("Proc", (), {"rank": rank, "device_type": "cpu"})
+    records = [{k: v for k, v in t.items() if not k.endswith("_over_switch") and k != "switch_over_limit"}
+               for t in switch_result()["transitions"]]
+    monkeypatch.setattr(switch, "run_in_group", lambda timeout_s, body: (proc, records))
+    cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
+    opts = switch.SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4,
+                                     budget=1 << 28, p2p_bytes=1 << 20, plot=tmp_path / "switch.png")
+    assert switch.run_rank(opts) == 0
+    results = [train.Throughput("ddp", 9, 1.0, 900.0), train.Throughput("dp=4", 9, 1.0, 800.0)]
+    monkeypatch.setattr(train, "run_in_group", lambda timeout_s, body: (proc, results))
+    base = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=11)
+    assert train.run_rank(train.TrainBenchOptions(base=base, plot=tmp_path / "train.png")) == 0
+    err = capsys.readouterr().err
+    for name in ("switch.png", "train.png"):
+        if rank == 0:
+            assert png_size(tmp_path / name) == (1600, 1000) and f"wrote {tmp_path / name}" in err
+        else:
+            assert not (tmp_path / name).exists()
+
+
 def test_bench_plot_is_refused_before_any_process_starts(tmp_path, capsys, monkeypatch):
     def no_process(*args, **kwargs):
         raise AssertionError("a process would have been started")
