@@ -4,8 +4,9 @@
 
 The packages, from the top: `cli` (the `shardshift` command), `bench` (benchmarks), `netemu` (link
 emulation, a harness), `train` (model, state, trainer, switch, checkpoints), `reshard` (the
-virtual parameter space and the switch's planner and executor), `collectives` (topology →
-planning → execution of tree collectives, and the torch.distributed backend), `comm`
+virtual parameter space and the switch's planner and executor), `plots` (pictures of runs,
+benchmarks and packings; matplotlib only when drawing), `collectives` (topology → planning →
+execution of tree collectives, and the torch.distributed backend), `comm`
 (point-to-point transfers), `layout` and `units`. docs/architecture.md has the map.
 """
 

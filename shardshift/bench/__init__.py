@@ -4,5 +4,6 @@ Each has a typed options dataclass that refuses bad input before any process sta
 function that runs it: `train` (tokens/s beside DDP), `switch` (the online switch beside DCP, a
 restart and the physical limit), `packing` (tree packings beside their bounds), `collectives`
 (gloo, a ring, packed trees and `auto` side by side, nccl-tests style; its ranks run
-`collectives_rank`). Multi-process benchmarks start their ranks with `shardshift.launch`.
+`collectives_rank`). Multi-process benchmarks start their ranks with `shardshift.launch`. With
+`plot`, rank 0 also draws the object it reported (`shardshift.plots.bench`).
 """

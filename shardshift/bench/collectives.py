@@ -36,10 +36,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardshift.collectives.planning.ops import Collective
 from shardshift.collectives.topology.model import Topology
+from shardshift.plots.canvas import check_drawable
 
 if TYPE_CHECKING:  # the launcher process does not import torch for it
     from shardshift.collectives.execution.runner import RunOptions
@@ -69,6 +71,7 @@ class CollectivesBenchOptions:
     probe: bool = False  # pack on the topology the ranks measure when they start
     timeout_s: float = 600.0  # the whole run
     json: bool = False
+    plot: Path | None = None  # rank 0 draws the rows here (a PNG) once the run is over
 
     def __post_init__(self) -> None:
         if not self.impls or set(self.impls) - set(IMPLS):
@@ -89,6 +92,8 @@ class CollectivesBenchOptions:
             raise ValueError("--iters must be >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout {self.timeout_s} must be > 0 seconds")
+        if self.plot is not None:
+            check_drawable(self.plot, "--plot")
 
     @property
     def bound(self) -> float | None:
@@ -139,11 +144,12 @@ def rows(opts: CollectivesBenchOptions, measured: list[dict], bound: float | Non
     return out
 
 
-def report(opts: CollectivesBenchOptions, table: list[dict], probed: Topology | None) -> None:
-    """Print the rows: one JSON object, or the table."""
+def report(opts: CollectivesBenchOptions, table: list[dict], probed: Topology | None) -> dict:
+    """Print the rows: one JSON object, or the table. Returns that object (what ``--json`` prints)."""
+    result = {"rows": table}
     if opts.json:
-        print(json.dumps({"rows": table}), flush=True)
-        return
+        print(json.dumps(result), flush=True)
+        return result
     if probed is not None:
         print("# probed pair rates (GB/s): " + ", ".join(
             f"{link.src}->{link.dst} {link.capacity / 1e9:.3f}" for link in probed.links))
@@ -169,3 +175,4 @@ def report(opts: CollectivesBenchOptions, table: list[dict], probed: Topology | 
     print("# algbw, busbw, bound: GB/s (1e9 bytes/s); vs gloo: gloo's time / this time")
     print("# cpu: share of this host's CPUs busy during the timed calls; near 1 the CPUs, not the "
           "links, set the times", flush=True)
+    return result

@@ -13,7 +13,7 @@ Rank 0 also reads its host's CPU counters (/proc/stat) around every timed call: 
 `cpu_busy` is the share of the host's CPUs that were busy during that implementation's timed
 calls (None if they all fit in one clock tick, 10 ms). Emulated ranks all run on one host, so
 near 1 it says that the times measure the CPUs (the ranks and the kernel's shaping) more than the
-links.
+links. With `plot`, rank 0 draws the rows once the group is gone (`shardshift.plots.bench`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from shardshift.collectives.planning.ops import Collective
 from shardshift.collectives.planning.rings import ring_packing
 from shardshift.collectives.topology.presets import full
 from shardshift.collectives.topology.probe import probe_topology
+from shardshift.console import say
 from shardshift.runtime import init_distributed
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -220,12 +221,18 @@ def run(opts: CollectivesBenchOptions) -> int:
                 "cpu_busy": cpu[i][0] / cpu[i][1] if cpu[i][1] else None,
                 **({"picked": picked} if name == "auto" else {}),
             })  # fmt: skip
+    result = None
     if rank == 0:
         bound = collective_bound(probed, op, root) if probed is not None else opts.bound
-        report(opts, rows(opts, measured, bound), probed)
+        result = report(opts, rows(opts, measured, bound), probed)
     for impl in impls.values():
         if isinstance(impl, TreeCollectives):
             impl.close()
     dist.barrier()
     dist.destroy_process_group()
+    if result is not None and opts.plot is not None:  # after the others are released
+        from shardshift.plots.bench import draw_collectives_bench
+
+        draw_collectives_bench(result, opts.plot)
+        say(f"wrote {opts.plot}", "stderr")
     return 0 if all(r["wrong"] == 0 for r in measured) else 1

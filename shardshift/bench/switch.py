@@ -77,8 +77,10 @@ import torch.distributed as dist
 
 from shardshift.bench.restart import RestartFailed, restart_job
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
+from shardshift.console import say
 from shardshift.launch import STORE_ENV
 from shardshift.layout import Layout
+from shardshift.plots.canvas import check_drawable
 from shardshift.reshard.plan import plan_transition
 from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
@@ -106,6 +108,7 @@ class SwitchBenchOptions:
     restart: bool = True  # measure the checkpoint-and-restart column
     timeout_s: float = 600.0  # the run's collective timeout; the restart job gets 90% of it
     json: bool = False
+    plot: Path | None = None  # rank 0 draws the report here (a PNG) once it exists
 
     def __post_init__(self) -> None:
         from shardshift.reshard.schedule import MIN_BUDGET
@@ -126,6 +129,8 @@ class SwitchBenchOptions:
             layout.check_world(self.nproc)
         for layout in self.chain[1:]:
             self.cfg.with_layout(layout)  # refuses a layout the model or the batch cannot take
+        if self.plot is not None:
+            check_drawable(self.plot, "--plot")
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
@@ -204,7 +209,12 @@ def run_rank(opts: SwitchBenchOptions) -> int:
     """One rank's part of the bench; rank 0 prints the report."""
     proc, records = run_in_group(opts.timeout_s, lambda proc: run_switch_bench(opts, proc.rank, proc.device_type))
     if proc.rank == 0:
-        report(opts, records, proc.device_type)
+        result = report(opts, records, proc.device_type)
+        if opts.plot is not None:
+            from shardshift.plots.bench import draw_switch_bench
+
+            draw_switch_bench(result, opts.plot)
+            say(f"wrote {opts.plot}", "stderr")
     return 0
 
 
@@ -337,8 +347,9 @@ def _size(nbytes: float) -> str:
     return format_size(nbytes, digits=2).replace(" ", "").removesuffix("iB")
 
 
-def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> None:
-    """Add the ratios to every record and print them: one JSON object, or the table."""
+def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> dict:
+    """Add the ratios to every record and print them: one JSON object, or the table. Returns
+    that object (what ``--json`` prints)."""
     cfg = opts.cfg
     for r in records:
         r["dcp_over_switch"] = _ratio(r["dcp_seconds"], r["switch_seconds"])
@@ -346,13 +357,14 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> N
         r["switch_over_limit"] = _ratio(r["switch_seconds"], r["limit_seconds"])
     means = {key: _geomean([r[key] for r in records])
              for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit")}
+    result = {
+        "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
+        "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
+        "budget": records[0]["budget"], "transitions": records, "geomean": means,
+    }  # fmt: skip
     if opts.json:
-        print(json.dumps({
-            "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
-            "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
-            "budget": records[0]["budget"], "transitions": records, "geomean": means,
-        }))
-        return
+        print(json.dumps(result))
+        return result
     print(f"model {cfg.model_name} ({cfg.model.num_params():,} parameters, {cfg.dtype}), {opts.nproc} "
           f"{device_type} ranks, budget {_size(records[0]['budget'])} per round; seconds, slowest rank")
     head = (f"{'transition':<28}{'switch':>8}{'dcp':>8}{'restart':>9}{'limit':>8} |{'dcp/sw':>8}"
@@ -375,3 +387,4 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> N
     for r in records:
         if r.get("restart_error"):
             print(f"restart failed for {r['from']} -> {r['to']}: {r['restart_error']}")
+    return result

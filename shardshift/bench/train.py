@@ -19,12 +19,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from shardshift.console import say
 from shardshift.layout import Layout
+from shardshift.plots.canvas import check_drawable
 from shardshift.runtime import run_in_group
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
@@ -48,6 +51,7 @@ class TrainBenchOptions:
     topology: str | None = None  # a YAML file: train each layout on gloo and on trees packed on it
     emulate: bool = False  # run the ranks on `topology`'s links, emulated
     emulate_scale: float = 1.0  # emulated rate / topology rate
+    plot: Path | None = None  # rank 0 draws the report here (a PNG) once it exists
 
     def __post_init__(self) -> None:
         for name in ("steps", "rounds"):
@@ -66,6 +70,8 @@ class TrainBenchOptions:
             layout.check_world(self.nproc)
             for collectives in self.collectives:
                 self.config(layout, collectives)  # refuses a layout the model, batch or topology cannot take
+        if self.plot is not None:
+            check_drawable(self.plot, "--plot")
 
     @property
     def collectives(self) -> tuple[str, ...]:
@@ -138,7 +144,12 @@ def run_rank(opts: TrainBenchOptions) -> int:
     """One rank's part of the bench; rank 0 prints the report."""
     proc, results = run_in_group(opts.timeout_s, lambda proc: run_bench(opts, proc.rank, proc.device_type))
     if proc.rank == 0:
-        report(opts, results, proc.device_type)
+        result = report(opts, results, proc.device_type)
+        if opts.plot is not None:
+            from shardshift.plots.bench import draw_train_bench
+
+            draw_train_bench(result, opts.plot)
+            say(f"wrote {opts.plot}", "stderr")
     return 0
 
 
@@ -173,7 +184,8 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
     ]
 
 
-def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str) -> None:
+def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str) -> dict:
+    """Print the throughputs: one JSON object, or the table. Returns that object (what ``--json`` prints)."""
     ddp = results[0]
     gloo = {r.name[0]: r.tokens_per_s for r in results if r.name[1] == "gloo"}
     rows = [
@@ -183,11 +195,11 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
         for r in results
     ]
     base = opts.base
+    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "topology": opts.topology,
+              "emulate_scale": opts.emulate_scale if opts.emulate else None, "rows": rows}
     if opts.json:
-        print(json.dumps({"model": base.model_name, "nproc": opts.nproc, "device": device_type,
-                          "topology": opts.topology, "emulate_scale": opts.emulate_scale if opts.emulate else None,
-                          "rows": rows}))
-        return
+        print(json.dumps(result))
+        return result
     where = f", on {opts.topology}" + (f" emulated at {opts.emulate_scale:.4g} × its rates" if opts.emulate
                                        else " (loopback)") if opts.topology else ""
     print(f"model {base.model_name}, {opts.nproc} {device_type} ranks{where}, global batch {base.global_batch}, "
@@ -196,3 +208,4 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
     for row in rows:
         print(f"{row['layout']:<16}{row['collectives']:<13}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}"
               f"{row['ratio_vs_gloo']:>9.3f}")
+    return result

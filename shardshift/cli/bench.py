@@ -6,6 +6,8 @@
     shardshift bench packing                                # tree packings vs their bounds
     shardshift bench collectives --op allreduce --nproc 4   # gloo vs ring vs trees vs auto
 
+`--plot FILE.png` (train, switch, collectives) also draws the report (`shardshift.plots.bench`).
+
 Each parser builds the bench's typed options, which refuse bad input before any process starts
 (exit 2 with one line). A multi-process bench then starts its ranks through `shardshift.launch`;
 each rank runs the same command again, finds itself a rank of a job, and runs its part.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from shardshift.cli.topo import add_topology_arguments, pack_options_from_args, topology_from_args
 from shardshift.collectives.planning.ops import Collective
@@ -81,6 +84,11 @@ def _layouts(text: str) -> tuple[Layout, ...]:
     return tuple(Layout.parse(part) for part in text.split(";") if part.strip())
 
 
+def _add_plot_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help=f"also draw {what} into this PNG (needs matplotlib: pip install 'shardshift[plot]')")
+
+
 # ---- train ----------------------------------------------------------------------------------------
 
 def _add_train(benches) -> None:
@@ -101,6 +109,7 @@ def _add_train(benches) -> None:
     p.add_argument("--emulate-scale", default="auto",
                    help="emulated rate = topology pair rate × this; 'auto' maps the fastest pair to 1 Gbit/s")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    _add_plot_argument(p, "tokens/s per layout as bars")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_run_train)
 
@@ -123,7 +132,7 @@ def _train_options(args: argparse.Namespace):
                  else _positive(args.emulate_scale, "--emulate-scale"))
     return TrainBenchOptions(base=base, also=_layouts(args.also), nproc=args.nproc, steps=args.steps,
                              rounds=args.rounds, warmup=args.warmup, timeout_s=args.timeout, json=args.json,
-                             topology=args.topology, emulate=args.emulate, emulate_scale=scale)
+                             topology=args.topology, emulate=args.emulate, emulate_scale=scale, plot=args.plot)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -151,6 +160,7 @@ def _add_switch(benches) -> None:
     p.add_argument("--no-restart", dest="restart", action="store_false",
                    help="skip the restart column (it starts a fresh job per transition: the slow part)")
     p.add_argument("--json", action="store_true", help='print one JSON object {"transitions": [...], ...}')
+    _add_plot_argument(p, "each transition's seconds, four ways, as bars on a log scale")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
     p.set_defaults(func=_run_switch)
 
@@ -184,7 +194,7 @@ def _switch_options(args: argparse.Namespace):
                       steps=len(chain), dtype=args.dtype, global_batch=args.global_batch)
     return SwitchBenchOptions(chain=chain, cfg=cfg, nproc=args.nproc, budget=parse_size(args.budget, "--budget"),
                               p2p_bytes=parse_size(args.p2p_size, "--p2p-size"), restart=args.restart,
-                              timeout_s=args.timeout, json=args.json)
+                              timeout_s=args.timeout, json=args.json, plot=args.plot)
 
 
 def _run_switch(args: argparse.Namespace) -> int:
@@ -335,6 +345,7 @@ def _add_collectives(benches) -> None:
                    help="packing: tree depth (auto, any, shallow; see `shardshift topo pack`)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    _add_plot_argument(p, "algbw against message size, a line per implementation")
     p.set_defaults(func=_run_collectives)
 
 
@@ -374,7 +385,7 @@ def _collectives_options(args: argparse.Namespace):
         impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()), root=args.root, dtype=args.dtype,
         redop=args.redop, iters=args.iters, run=run, emulate=args.emulate, emulate_scale=scale,
         tcp_slow_start_after_idle=args.tcp_slow_start_after_idle, probe=args.probe, timeout_s=args.timeout,
-        json=args.json,
+        json=args.json, plot=args.plot,
     )  # fmt: skip
 
 

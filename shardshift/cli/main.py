@@ -19,6 +19,7 @@ _COMMANDS = (
     ("sample", "shardshift.cli.sample"),
     ("topo", "shardshift.cli.topo"),
     ("bench", "shardshift.cli.bench"),  # benchmarks that print ratios measured side by side in one run
+    ("plot", "shardshift.cli.plot"),  # pictures of training runs from their --metrics files
 )
 
 

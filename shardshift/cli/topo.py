@@ -3,6 +3,7 @@
     shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce [--json]
     shardshift topo pack --topology lab.yaml --op broadcast --root 2
     shardshift topo show --preset fat-tree --hosts 16 --hosts-per-leaf 4 [--json]
+    shardshift topo draw --preset dgx1v --gpus 0,1,2,3 --op broadcast [-o FILE.png] [--size WxH]
 """
 
 from __future__ import annotations
@@ -20,22 +21,42 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="topo", required=True)
     pack = sub.add_parser("pack", help="pack spanning trees for a collective; print rate and bound")
     add_topology_arguments(pack)
-    pack.add_argument("--op", required=True, choices=[op.value for op in Collective])
-    pack.add_argument("--root", type=int, default=0, help="root rank of broadcast / reduce (default 0)")
-    pack.add_argument("--method", choices=["lp", "mwu"], default="lp",
-                      help="lp: exact column generation; mwu: multiplicative weights (large topologies)")
-    pack.add_argument("--keep", type=float, default=0.995,
-                      help="cut trees while keeping >= this fraction of the solved rate (1: no cut)")
-    pack.add_argument("--max-trees", type=int, default=None, help="at most this many trees")
-    pack.add_argument("--depth", choices=["auto", "any", "shallow"], default="auto",
-                      help="tree depth: auto (the shallowest packing within --keep of the best, "
-                           "depth <= 2 tried up to 8 ranks), any, or shallow (depth <= 2 only)")
+    _add_packing_arguments(pack)
     pack.add_argument("--json", action="store_true", help="print one JSON object")
     pack.set_defaults(func=run_pack)
     show = sub.add_parser("show", help="print a topology's links and point-to-point pair rates")
     add_topology_arguments(show)
     show.add_argument("--json", action="store_true", help="print one JSON object")
     show.set_defaults(func=run_show)
+    draw = sub.add_parser("draw", help="draw a topology and the trees packed on it for a collective (PNG)")
+    add_topology_arguments(draw)
+    _add_packing_arguments(draw)
+    _add_picture_arguments(draw)
+    draw.set_defaults(func=run_draw)
+
+
+def _add_packing_arguments(p: argparse.ArgumentParser) -> None:
+    """--op, --root and the packing's options (`pack` and `draw`)."""
+    p.add_argument("--op", required=True, choices=[op.value for op in Collective])
+    p.add_argument("--root", type=int, default=0, help="root rank of broadcast / reduce (default 0)")
+    p.add_argument("--method", choices=["lp", "mwu"], default="lp",
+                   help="lp: exact column generation; mwu: multiplicative weights (large topologies)")
+    p.add_argument("--keep", type=float, default=0.995,
+                   help="cut trees while keeping >= this fraction of the solved rate (1: no cut)")
+    p.add_argument("--max-trees", type=int, default=None, help="at most this many trees")
+    p.add_argument("--depth", choices=["auto", "any", "shallow"], default="auto",
+                   help="tree depth: auto (the shallowest packing within --keep of the best, "
+                        "depth <= 2 tried up to 8 ranks), any, or shallow (depth <= 2 only)")
+
+
+def _add_picture_arguments(p: argparse.ArgumentParser) -> None:
+    from shardshift.plots.canvas import DEFAULT_PIXELS
+
+    width, height = DEFAULT_PIXELS
+    p.add_argument("-o", "--output", default=None, metavar="FILE.png",
+                   help="the picture (default: topology-OP.png in the current directory)")
+    p.add_argument("--size", default=f"{width}x{height}", metavar="WxH",
+                   help=f"the picture's size in pixels (default {width}x{height})")
 
 
 def add_topology_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,16 +161,22 @@ def packing_summary(packing, link_unit: float | None) -> dict:
     return out
 
 
+def packing_from_args(args: argparse.Namespace):
+    """(topology, packing) of the command line's topology, --op, --root and packing options."""
+    from shardshift.collectives.planning.packing import pack
+
+    topology = topology_from_args(args)
+    if not 0 <= args.root < topology.num_ranks:
+        raise ValueError(f"--root {args.root} is not a rank of {topology.name}; choose one of "
+                         f"0..{topology.num_ranks - 1}")
+    return topology, pack(topology, args.op, root=args.root, options=pack_options_from_args(args))
+
+
 def run_pack(args: argparse.Namespace) -> int:
-    from shardshift.collectives.planning.packing import describe, pack
+    from shardshift.collectives.planning.packing import describe
 
     try:
-        topology = topology_from_args(args)
-        if not 0 <= args.root < topology.num_ranks:
-            raise ValueError(f"--root {args.root} is not a rank of {topology.name}; choose one of "
-                             f"0..{topology.num_ranks - 1}")
-        options = pack_options_from_args(args)
-        packing = pack(topology, args.op, root=args.root, options=options)
+        topology, packing = packing_from_args(args)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
@@ -187,4 +214,24 @@ def run_show(args: argparse.Namespace) -> int:
     print("point-to-point pair rates (GB/s):")
     for (u, v), r in sorted(rates.items()):
         print(f"  {u:>3} -> {v:<3} {r / 1e9:9.3f}")
+    return 0
+
+
+def run_draw(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardshift.plots.canvas import check_drawable, parse_pixels
+    from shardshift.plots.topology import draw_packing
+
+    out = Path(args.output if args.output is not None else f"topology-{args.op}.png")
+    try:
+        size = parse_pixels(args.size)
+        check_drawable(out, "-o")
+        topology, packing = packing_from_args(args)
+        drawn = draw_packing(topology, packing, out, size)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({size[0]}x{size[1]}): {packing.op.value} on {topology.name}, {len(drawn.trees)} trees, "
+          f"rate {packing.rate / 1e9:.4g} GB/s")
     return 0

@@ -376,8 +376,8 @@ def _can_draw() -> bool:
 def _is_default_job(args: argparse.Namespace, layout: Layout) -> bool:
     """`shardshift train` as the README's first command runs it: the default layout and switches,
     and nothing said of where its outputs go."""
-    return (args.layout is None and args.switch is None and layout == DEFAULT_LAYOUT and args.metrics is None
-            and args.save is None and args.resume is None)
+    outputs = (args.metrics, args.save, args.resume, args.save_every, args.keep_checkpoints, args.plot)
+    return args.layout is None and args.switch is None and layout == DEFAULT_LAYOUT and not any(outputs)
 
 
 def _new_run_dir() -> str:

@@ -26,6 +26,7 @@ SMOKE: dict[str, list[str] | str] = {
     "torchrun --nproc-per-node 4 -m shardshift train --layout tp=4": "dist/test_torchrun.py::test_torchrun_matches_the_local_launcher",
     "shardshift train --nproc 4 --layout dp=4 --switch 20:fsdp=2,tp=2 --switch 35:tp=2,pp=2 --metrics run.jsonl":
         "dist/test_torchrun.py::test_torchrun_matches_the_local_launcher",
+    "shardshift plot run.jsonl": "unit/test_plots.py::test_the_command_writes_beside_the_first_file_by_default",
     "shardshift train --elastic --nproc 4 --max-nproc 4 --layout-for 4:fsdp=4 --layout-for 3:fsdp=3 "
     "--layout-for 2:fsdp=2 --redundancy 1 --inject 2:leave=3 --inject 4:kill=1 --inject 6:join=2 --steps 8":
         "dist/test_elastic.py::test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes",
@@ -37,6 +38,8 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift bench collectives --op allreduce --sizes 1M:64M --nproc 4":
         "dist/test_bench_collectives.py::test_small_run_reports_every_impl_without_wrong_elements",
     "shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce": "unit/test_packing.py::test_topo_pack_json",
+    "shardshift topo draw --preset dgx1v --gpus 0,1,2,3 --op broadcast":
+        "unit/test_plots.py::test_topo_draw_writes_the_packing_on_the_topology",
 }  # fmt: skip
 
 

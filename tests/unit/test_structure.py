@@ -18,7 +18,7 @@ from support import REPO
 PACKAGE = REPO / "shardshift"
 
 # Each layer may import itself and the layers listed after it (docs/architecture.md).
-LAYERS = ["cli", "bench", "netemu", "elastic", "train", "reshard", "collectives", "comm", "base"]
+LAYERS = ["cli", "bench", "netemu", "elastic", "train", "reshard", "plots", "collectives", "comm", "base"]
 BASE = {"layout", "units", "console", "launch", "runtime", "_exports", "__init__", "data"}
 # What harnesses above may use of the layers they sit beside (never the other way round):
 # the switch bench starts its restart baseline with the train command's own argument builder.
