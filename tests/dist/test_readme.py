@@ -38,6 +38,12 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift bench collectives --op allreduce --sizes 1M:64M --nproc 4":
         "dist/test_bench_collectives.py::test_small_run_reports_every_impl_without_wrong_elements",
     "shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce": "unit/test_packing.py::test_topo_pack_json",
+    "shardshift sample --resume ckpt --prompt 'ROMEO:' --tokens 200 --temperature 0.8 --seed 0":
+        "dist/test_sample.py::test_the_same_state_saved_under_three_layouts_writes_the_same_text",
+    "shardshift train --nproc 4 --layout fsdp=4 --collectives trees --topology docs/topologies/hetero4x.yaml":
+        "dist/test_train_trees.py::test_the_command_trains_on_trees_and_counts_their_calls",
+    "shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4' --topology docs/topologies/hetero4x.yaml --emulate":
+        "netns/test_collectives_emulated.py::test_bench_train_on_emulated_links_trains_each_layout_on_gloo_and_on_trees",
     "shardshift topo draw --preset dgx1v --gpus 0,1,2,3 --op broadcast":
         "unit/test_plots.py::test_topo_draw_writes_the_packing_on_the_topology",
 }  # fmt: skip
@@ -76,6 +82,19 @@ def test_the_default_job_trains_and_switches_twice(tmp_path, budget):
     assert [(a, b.split(",on")[0], int(s)) for a, b, s in switches] == [
         ("fsdp=2,tp=2", "tp=2,pp=2", 3), ("tp=2,pp=2", "fsdp=4", 5)], run.stdout
     assert re.search(r"^step     5 \| loss", run.stdout, re.M)
+    # Its outputs, in a run directory it names: metrics, picture, last checkpoint, and text from it.
+    where = re.search(r"^this run's outputs go to (runs/train-[0-9-]+)/$", run.stdout, re.M)
+    assert where, run.stdout
+    run_dir = tmp_path / where[1]
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["steps"] == 5 and summary["switches"] == 2
+    assert re.search(r"^done: 5 steps, 520 tokens in .*; 2 switches took", run.stdout, re.M), run.stdout
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"picture: {where[1]}/metrics.png" in run.stdout
+    assert f"checkpoint: {where[1]}/checkpoints/step-00000005" in run.stdout
+    assert "text from the trained model" in run.stdout and "\nROMEO:\n" in run.stdout
 
 
 @pytest.mark.parametrize("command", [c for c, smoke in SMOKE.items() if isinstance(smoke, list)
@@ -85,7 +104,8 @@ def test_train_commands_run(command, tmp_path, budget):
     assert re.search(r"^step     2 \| loss", run.stdout, re.M), run.stdout
     if "--metrics run.jsonl" in command:
         records = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
-        assert [r["step"] for r in records] == [1, 2] and records[0]["layout"] == "fsdp=2,pp=2"
+        assert [r["step"] for r in records if "loss" in r] == [1, 2] and records[0]["layout"] == "fsdp=2,pp=2"
+        assert records[-1]["event"] == "summary"
 
 
 def test_bench_train_reports_every_variant_beside_ddp(tmp_path, budget):

@@ -4,6 +4,9 @@ layout and across an online switch, and they really ran on trees."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,19 @@ def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
         for rank, result in enumerate(results):
             calls = result[layout, "trees"]["calls"]
             assert ops <= {op for op, count in calls.items() if count > 0}, (layout, rank, calls)
+
+
+def test_the_command_trains_on_trees_and_counts_their_calls(tmp_path, budget):
+    """The README's command, on the `test` model: its end-of-run line and summary record count the
+    calls FSDP2 ran on trees (an all-gather per block and stage root forward and backward, a
+    reduce-scatter per one of them backward)."""
+    out = subprocess.run([sys.executable, "-m", "shardshift", "train", "--nproc", "4", "--layout", "fsdp=4",
+                          "--collectives", "trees", "--topology", HETERO4, "--model", "test", "--global-batch", "8",
+                          "--steps", "2", "--metrics", str(tmp_path / "run.jsonl")],
+                         capture_output=True, text=True, timeout=budget.left(), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = [json.loads(line) for line in open(tmp_path / "run.jsonl")][-1]
+    assert summary["event"] == "summary" and summary["steps"] == 2
+    calls = summary["tree_calls"]
+    assert set(calls) == {"allgather", "reducescatter"} and calls["allgather"] > calls["reducescatter"] > 0
+    assert f"on trees: allgather {calls['allgather']}, reducescatter {calls['reducescatter']}" in out.stdout
