@@ -70,7 +70,16 @@ from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
 from shardshift.train.model import ModelConfig
 from shardshift.train.parallelize import build_parallel, forget_old_meshes
-from shardshift.train.run import Metrics, RunFailed, Signals, Stopped, exit_status, report_step, resume_point
+from shardshift.train.run import (
+    Metrics,
+    RunFailed,
+    Signals,
+    Stopped,
+    Summary,
+    exit_status,
+    report_step,
+    resume_point,
+)
 from shardshift.train.space import gpt_space
 from shardshift.train.state import LostState
 from shardshift.train.switch import switch_world, warm_up
@@ -202,6 +211,7 @@ class ElasticWorker:
         self.epoch: Epoch | None = None
         self.metrics: Metrics | None = None
         self.signals = Signals()
+        self.summary = Summary(cfg, change="change of world")  # from this worker's first step
         self.ahead = Ahead()  # changes worked out before they happen
         self.lookout: Lookout | None = None  # while it trains: what it sees coming goes to `ahead`
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
@@ -311,6 +321,7 @@ class ElasticWorker:
                 try:
                     result = trainer.train_step(commit=self._commit,
                                                 applied=self.copies.step if self.copies is not None else None)
+                    self.summary.stepped(result)
                     if rank == 0:
                         report_step(trainer.cfg, result, self.metrics)
                     control = self._control(trainer.progress.step, rank, result.step_time_s)
@@ -343,6 +354,9 @@ class ElasticWorker:
                 if control.leaving or joins:
                     self._change(control, step, joins)
             if self.trainer is not None and dist.get_rank() == 0:
+                event = self.summary.event(self.trainer)
+                say(Summary.line(event))
+                self.metrics.write(event)
                 self.store.set("done", "1")
             return 0
         finally:
@@ -641,6 +655,7 @@ class ElasticWorker:
 
     def _opened(self, rank: int, event: dict) -> None:
         """A new world is ready to train: its rank 0 records the change and says it in one line."""
+        self.summary.changed(event["pause_seconds"])
         self.metrics = Metrics(self.cfg.metrics, rank)
         if rank != 0:
             return

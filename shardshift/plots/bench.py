@@ -170,6 +170,9 @@ def _setup(result: dict) -> str:
     parts = [f"model {result['model']}" if "model" in result else "",
              f"{result['nproc']} {result.get('device', '')} ranks".replace("  ", " ") if "nproc" in result else "",
              result.get("dtype", "")]  # fmt: skip
+    if result.get("topology"):
+        scale = result.get("emulate_scale")
+        parts.append(f"on {Path(result['topology']).name}" + (f" emulated × {scale:g}" if scale else ""))
     return ", ".join(p for p in parts if p)
 
 

@@ -124,13 +124,14 @@ def _report_switch(report, metrics: Metrics) -> None:
 
 class Summary:
     """What a run did, said at its end (rank 0): steps, tokens, wall time, the loss from its first
-    to its last step, the time its switches took, and the calls its data groups ran on trees."""
+    to its last step, the changes it made (`change`: online switches, or an elastic job's changes
+    of world) and the time they took, and the calls its data groups ran on trees."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg, self.start = cfg, time.monotonic()
-        self.steps = self.switches = 0
+    def __init__(self, cfg: TrainConfig, change: str = "switch") -> None:
+        self.cfg, self.change, self.start = cfg, change, time.monotonic()
+        self.steps = self.changes = 0
         self.first_loss = self.last_loss = None
-        self.switch_seconds = 0.0
+        self.change_seconds = 0.0
         self.tree_calls: dict[str, int] = {}  # of the layouts switched from
 
     def stepped(self, result: StepResult) -> None:
@@ -142,15 +143,16 @@ class Summary:
         """Before a switch: the calls of the groups it leaves behind."""
         self.tree_calls = _added(self.tree_calls, tree_calls(trainer))
 
-    def switched(self, report) -> None:
-        self.switches += 1
-        self.switch_seconds += report.seconds
+    def changed(self, seconds: float) -> None:
+        self.changes += 1
+        self.change_seconds += seconds
 
     def event(self, trainer: Trainer) -> dict:
         return {"event": "summary", "step": trainer.progress.step, "steps": self.steps,
                 "tokens": self.steps * self.cfg.tokens_per_step, "seconds": time.monotonic() - self.start,
-                "first_loss": self.first_loss, "last_loss": self.last_loss, "switches": self.switches,
-                "switch_seconds": self.switch_seconds, "tree_calls": _added(self.tree_calls, tree_calls(trainer))}
+                "first_loss": self.first_loss, "last_loss": self.last_loss, "change": self.change,
+                "changes": self.changes, "change_seconds": self.change_seconds,
+                "tree_calls": _added(self.tree_calls, tree_calls(trainer))}
 
     @staticmethod
     def line(event: dict) -> str:
@@ -159,9 +161,11 @@ class Summary:
                 f"({event['tokens'] / seconds:,.0f} tokens/s)")
         if event["first_loss"] is not None:
             text += f"; loss {event['first_loss']:.4f} -> {event['last_loss']:.4f}"
-        if event["switches"]:
-            text += (f"; {event['switches']} switch{'es' if event['switches'] > 1 else ''} took "
-                     f"{event['switch_seconds']:.2f} s ({event['switch_seconds'] / seconds:.1%} of the run)")
+        if event["changes"]:
+            plural = "es" if event["change"].endswith("h") else "s"
+            name = event["change"] + (plural if event["changes"] > 1 else "")
+            text += (f"; {event['changes']} {name} took {event['change_seconds']:.2f} s "
+                     f"({event['change_seconds'] / seconds:.1%} of the run)")
         if event["tree_calls"]:
             calls = ", ".join(f"{op} {count}" for op, count in sorted(event["tree_calls"].items()))
             text += f"; on trees: {calls}"
@@ -272,7 +276,7 @@ def _loop(cfg: TrainConfig, trainer: Trainer, rank: int, metrics: Metrics, signa
         if pending and pending[0][0] == trainer.progress.step + 1:
             summary.switching(trainer)
             report = trainer.switch(prepared)
-            summary.switched(report)
+            summary.changed(report.seconds)
             if rank == 0:
                 _report_switch(report, metrics)
             pending.pop(0)

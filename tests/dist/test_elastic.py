@@ -88,6 +88,10 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     # A crash is not seen coming; whether the others were (`lookout`) depends on the timing.
     assert events[1]["planned_ahead"] is False and all(isinstance(e["planned_ahead"], bool) for e in events)
     assert "leave: 4 -> 3 workers after step 2" in run.stdout
+    summary = metrics(tmp_path / "elastic.jsonl")[-1]  # said and recorded at the end, by the last world's rank 0
+    assert (summary["event"], summary["step"], summary["change"], summary["changes"]) == (
+        "summary", STEPS, "change of world", len(events))
+    assert f"done: {summary['steps']} steps" in run.stdout and f"; {len(events)} changes of world took" in run.stdout
     assert "exited with code -9; the others go on without it" in run.stderr
     got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))

@@ -89,7 +89,7 @@ def test_the_default_job_trains_and_switches_twice(tmp_path, budget):
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
     summary = records[-1]
-    assert summary["event"] == "summary" and summary["steps"] == 5 and summary["switches"] == 2
+    assert summary["event"] == "summary" and summary["steps"] == 5 and summary["changes"] == 2
     assert re.search(r"^done: 5 steps, 520 tokens in .*; 2 switches took", run.stdout, re.M), run.stdout
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"picture: {where[1]}/metrics.png" in run.stdout
