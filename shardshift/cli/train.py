@@ -392,9 +392,10 @@ def _new_run_dir() -> str:
 
 def _after_run_dir(cfg) -> None:
     """What a run with --run-dir left, said, and a short sample of text from its last checkpoint."""
+    from shardshift.cli.sample import DEFAULT_PROMPT
     from shardshift.train.sample import sample
 
-    out = sample(cfg.save, tokens=200, seed=0)
+    out = sample(cfg.save, DEFAULT_PROMPT, tokens=200, seed=0)
     picture = cfg.picture or "none (matplotlib is not installed: pip install 'shardshift[plot]')"
     print(f"metrics: {cfg.metrics}\npicture: {picture}\ncheckpoint: {out.checkpoint}\n"
           f"text from the trained model (again: shardshift sample --resume {cfg.save}):\n\n{out.prompt}{out.text}\n",

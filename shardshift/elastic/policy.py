@@ -40,7 +40,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import nnls
 
 from shardshift.layout import Layout, all_layouts
 from shardshift.reshard.plan import Assignment, holdings_of
@@ -225,6 +224,8 @@ def calibrate(observations: Sequence[tuple[TrainConfig, Layout, float]], prior: 
     # x[j] now multiplies the scaled prior's price j, whose terms are fractions of a measured step.
     a = np.vstack([weights[:, None] * terms * scale, RIDGE * np.eye(3)])
     b = np.concatenate([weights, RIDGE * np.ones(3)])
+    from scipy.optimize import nnls  # here: only a calibrated policy needs scipy
+
     x, _ = nnls(a, b)
     if not np.all(np.isfinite(x)):
         return scaled

@@ -26,7 +26,6 @@ import itertools
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from shardshift.layout import Coord, Layout
 from shardshift.reshard.space import Box, LogicalTensor, StateSpace, holding
@@ -160,6 +159,8 @@ def choose_ranks(
     are numbered afresh, by coordinate, so any placement is one PyTorch's meshes take: the optimum
     is used as it is.
     """
+    from scipy.optimize import linear_sum_assignment  # here: a run that never switches never loads scipy
+
     n = layout.world_size
     old_held = holdings_of(space, old) if old_held is None else old_held
     by_coord = coord_holdings(space, layout) if by_coord is None else by_coord

@@ -162,8 +162,10 @@ class Summary:
         if event["first_loss"] is not None:
             text += f"; loss {event['first_loss']:.4f} -> {event['last_loss']:.4f}"
         if event["changes"]:
-            plural = "es" if event["change"].endswith("h") else "s"
-            name = event["change"] + (plural if event["changes"] > 1 else "")
+            name = event["change"]
+            if event["changes"] > 1:  # "switch" -> "switches", "change of world" -> "changes of world"
+                head, space, tail = name.partition(" ")
+                name = head + ("es" if head.endswith(("s", "sh", "ch")) else "s") + space + tail
             text += (f"; {event['changes']} {name} took {event['change_seconds']:.2f} s "
                      f"({event['change_seconds'] / seconds:.1%} of the run)")
         if event["tree_calls"]:

@@ -24,8 +24,6 @@ from shardshift.train.catalog import Manifest, choose
 from shardshift.train.config import DTYPES
 from shardshift.train.model import GPT, ModelConfig
 
-DEFAULT_PROMPT = "ROMEO:\n"
-
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
@@ -69,8 +67,7 @@ def generate(model: GPT, prompt: bytes, tokens: int, temperature: float, seed: i
     return bytes(out)
 
 
-def sample(where: str, prompt: str = DEFAULT_PROMPT, tokens: int = 200, temperature: float = 0.8,
-           seed: int = 0) -> Sample:
+def sample(where: str, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: int = 0) -> Sample:
     """Text written by the model saved in `where` after `prompt`."""
     if tokens < 1:
         raise ValueError(f"--tokens {tokens} must be >= 1")

@@ -90,9 +90,11 @@ def test_cli_save_and_resume_under_another_layout(tmp_path, budget):
                   "--metrics", str(tmp_path / "run.jsonl"), timeout=budget.left())
     assert second.returncode == 0, second.stderr
     records = [json.loads(line) for line in open(tmp_path / "run.jsonl")]
-    assert [(r.get("event", "step"), r["step"], r["layout"]) for r in records] == [
-        ("step", 1, "fsdp=2"), ("step", 2, "fsdp=2"), ("resume", 2, "tp=2"), ("step", 3, "tp=2"), ("step", 4, "tp=2")]
-    assert records[2]["checkpoint"] == str(tmp_path / "ckpt" / "step-00000002")
+    assert [(r.get("event", "step"), r["step"], r.get("layout")) for r in records] == [
+        ("step", 1, "fsdp=2"), ("step", 2, "fsdp=2"), ("summary", 2, None), ("resume", 2, "tp=2"), ("step", 3, "tp=2"),
+        ("step", 4, "tp=2"), ("summary", 4, None)]
+    assert records[3]["checkpoint"] == str(tmp_path / "ckpt" / "step-00000002")
+    assert (records[2]["steps"], records[6]["steps"]) == (2, 2)  # each run's own steps
     for record in (r for r in records if "event" not in r):
         assert {"step", "loss", "layout", "step_time_s", "tokens_per_s"} <= record.keys()
         assert isinstance(record["loss"], float)

@@ -114,7 +114,7 @@ def _one_case(trees, op, m, dtype, red, root, rank, n) -> bool:
     return _close(mine, ref, dtype, exact)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [2, 3, 5])  # 4 ranks: the backend's and training's own tests
 def test_executor_matches_gloo(n, budget):
     reports = run_distributed(n, _executor_cases, timeout_s=budget.left())
     for rank, report in enumerate(reports):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from shardshift.cli.main import main
 from shardshift.layout import Layout
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig, model_config
@@ -38,7 +36,7 @@ def _save_under_every_layout(rank: int, world_size: int, root: str) -> None:
         checkpoint.save(other, f"{root}/{layout}")
 
 
-def test_the_same_state_saved_under_three_layouts_writes_the_same_text(tmp_path):
+def test_the_same_state_saved_under_three_layouts_writes_the_same_text(tmp_path, capsys):
     run_distributed(4, _save_under_every_layout, str(tmp_path))
     samples = [sample(str(tmp_path / layout), prompt="KING:\n", tokens=60, temperature=1.0, seed=7)
                for layout in LAYOUTS]
@@ -50,20 +48,19 @@ def test_the_same_state_saved_under_three_layouts_writes_the_same_text(tmp_path)
     assert len(set(greedy)) == 1
 
     # The command: the prompt and its continuation on stdout, which checkpoint on stderr.
-    out = subprocess.run([sys.executable, "-m", "shardshift", "sample", "--resume", str(tmp_path / "dp=4"),
-                          "--prompt", "KING:\n", "--tokens", "60", "--temperature", "1", "--seed", "7"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout == "KING:\n" + samples[0].text + "\n"
-    assert "step-00000003 (step 3, saved under dp=4), seed 7" in out.stderr
+    assert main(["sample", "--resume", str(tmp_path / "dp=4"), "--prompt", "KING:\n", "--tokens", "60",
+                 "--temperature", "1", "--seed", "7"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "KING:\n" + samples[0].text + "\n"
+    assert "step-00000003 (step 3, saved under dp=4), seed 7" in out.err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--resume", "/nonexistent"], "--resume /nonexistent: no such directory"),
-    (["--resume", "."], "no complete checkpoint in it"),
+    (["--resume", "{tmp}"], "no complete checkpoint in it"),
+    (["--resume", "{tmp}", "--tokens", "0"], "--tokens 0 must be >= 1"),
 ])
-def test_sample_refuses_what_it_cannot_read(argv, message, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "shardshift", "sample", *argv], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.startswith("shardshift: error: ") and message in out.stderr, out.stderr
-    assert not Path(tmp_path).joinpath("step-00000000").exists()
+def test_sample_refuses_what_it_cannot_read(argv, message, tmp_path, capsys):
+    assert main(["sample", *(a.format(tmp=tmp_path) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardshift: error: ") and message in err, err

@@ -33,7 +33,7 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     assert local.returncode == 0, local.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "torchrun.jsonl")]
     # Rank 0 alone wrote the metrics; the layout was switched online twice under torchrun.
-    assert [r.get("layout", r.get("event")) for r in records] == ["tp=2", "switch", "fsdp=2", "switch", "pp=2"]
+    assert [r.get("layout", r.get("event")) for r in records] == ["tp=2", "switch", "fsdp=2", "switch", "pp=2", "summary"]
     torch.testing.assert_close(
         torch.tensor(list(step_losses(tmp_path / "torchrun.jsonl").values()), dtype=torch.float64),
         torch.tensor(list(step_losses(tmp_path / "local.jsonl").values()), dtype=torch.float64), rtol=1e-9, atol=0,
