@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
@@ -28,6 +28,9 @@ from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import Parallel, build_parallel, tree_options, wrap_for_training
 from shardshift.train.state import Progress, TrainingState
 from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_report, switch_state
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import Schedule1F1B
 
 DEFAULT_TIMEOUT_S = 300.0  # a switch's transfers, as the job's collectives (`--timeout`)
 
@@ -149,6 +152,9 @@ class Trainer:
         module = wrap_for_training(self.model, self.par, sync=sync)
         if self.cfg.layout.pp == 1:
             return module, None
+        # Imported here: it costs a process about 0.5 s of CPU, and most layouts have no pipeline.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
         stage = PipelineStage(
             module,
             stage_index=self.par.coord.pp,

@@ -41,7 +41,7 @@ PAIRS += random.Random(7).sample([(a, b) for a in _LAYOUTS for b in _LAYOUTS if 
 
 
 # float64 state; bfloat16 training keeps float32 state (autocast), switched the same way.
-CASES = [("float64", before, after) for before, after in PAIRS] + [("bfloat16", *pair) for pair in PAIRS[:2]]
+CASES = [("float64", before, after) for before, after in PAIRS] + [("bfloat16", *PAIRS[0])]
 
 
 def _oracle(rank: int, world_size: int, root: str, cases) -> dict:

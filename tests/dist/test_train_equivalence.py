@@ -52,7 +52,15 @@ def _keys_match(trainer: Trainer) -> bool:
 
 def _one_process(rank: int, world_size: int) -> dict:
     return {"float64": _train_layouts(rank, world_size, ["dp=1"])["dp=1"],
-            "dtypes": _train_dtypes(rank, world_size, [("dp=1", dtype) for dtype in DTYPE_RTOL])}
+            "dtypes": _train_dtypes(rank, world_size, [("dp=1", dtype) for dtype in DTYPE_RTOL]),
+            "uneven": _train_uneven(rank, world_size, ["dp=1"])["dp=1"]}
+
+
+UNEVEN_4 = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
+
+
+def _four_processes(rank: int, world_size: int) -> dict:
+    return {"layouts": _train_layouts(rank, world_size, LAYOUTS_4), "uneven": _train_uneven(rank, world_size, UNEVEN_4)}
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +72,18 @@ def single() -> dict:
 LAYOUTS_4 = [str(layout) for layout in all_layouts(4)]
 
 
-def test_all_four_rank_layouts_match_one_process(single, budget):
+@pytest.fixture(scope="module")
+def four() -> list[dict]:
+    """Every 4-process run of this module, in one process start."""
+    return run_distributed(4, _four_processes)
+
+
+def test_all_four_rank_layouts_match_one_process(single, four):
     reference = single["float64"]
     mixed = ("pp=2,fsdp=2", "dp=2,tp=2", "fsdp=2,tp=2", "dp=2,fsdp=2", "pp=2,tp=2")
     assert all(Layout.parse(text) in all_layouts(4) for text in mixed)
     assert len(LAYOUTS_4) == 10
-    per_rank = run_distributed(4, _train_layouts, LAYOUTS_4, timeout_s=budget.left())
+    per_rank = [r["layouts"] for r in four]
     ref_losses = torch.tensor(reference["losses"], dtype=torch.float64)
     # Not vacuous: training moves the loss and the parameters.
     assert (ref_losses[0] - ref_losses[-1]).abs() > 1e-3
@@ -97,13 +111,12 @@ def _train_uneven(rank: int, world_size: int, layouts: list[str]) -> dict:
     return results
 
 
-def test_a_batch_that_does_not_split_evenly_among_data_ranks_gives_the_same_losses(single, budget):
+def test_a_batch_that_does_not_split_evenly_among_data_ranks_gives_the_same_losses(single, four):
     """A global batch of 6 over 4 data ranks is read as 2, 2, 1, 1 sequences, each rank's loss
     weighted by its share: the run equals one process on the same 6 sequences a step."""
-    reference = run_distributed(1, _train_uneven, ["dp=1"], timeout_s=budget.left())[0]["dp=1"]
-    layouts = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
-    per_rank = run_distributed(4, _train_uneven, layouts, timeout_s=budget.left())
-    for text in layouts:
+    reference = single["uneven"]
+    per_rank = [r["uneven"] for r in four]
+    for text in UNEVEN_4:
         for rank, results in enumerate(per_rank):
             torch.testing.assert_close(torch.tensor(results[text]["losses"]), torch.tensor(reference["losses"]),
                                        rtol=RTOL, atol=0, msg=f"{text} rank {rank} losses")
