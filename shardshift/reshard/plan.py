@@ -4,10 +4,12 @@ A switch from an old `Assignment` (a layout and the process at each of its coord
 layout is planned in three steps, all pure metadata:
 
 1. **Assignment.** Which process takes which coordinate of the new layout. Process p keeps
-   ``|old box of p ∩ new box of c|`` bytes of every tensor if it takes coordinate c; the order that
-   keeps the most bytes in place is a linear assignment problem (`choose_ranks`), restricted to the
-   orders PyTorch's meshes handle correctly (every axis in increasing rank order). Ties keep the
-   current order, so a switch to the same layout keeps everything.
+   ``|old box of p ∩ new box of c|`` bytes of every tensor if it takes coordinate c. In the same
+   world the best of the orders PyTorch's meshes handle correctly (every axis in increasing rank
+   order, `axis_orders`) is taken; ties keep the current order, so a switch to the same layout
+   keeps everything. A world of another size numbers its ranks afresh, and the best placement is
+   a linear assignment problem (`choose_ranks`). Kept bytes are counted per class of coordinates
+   (`classes.py`), not per pair of process and coordinate.
 2. **Sources.** Each process's new box of a tensor is cut by the distinct old boxes of that tensor
    (replicas hold identical boxes; distinct boxes never overlap, which is checked). A piece the
    process already holds is a local copy; any other piece comes from the replica that has been
@@ -22,13 +24,15 @@ The plan is frozen data; `schedule.py` cuts it into memory-bounded rounds and `e
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from typing import Sequence
 
 import numpy as np
 
 from shardshift.layout import Coord, Layout
-from shardshift.reshard.space import Box, LogicalTensor, StateSpace, holding
+from shardshift.reshard.classes import NOTHING, KeptBytes, TensorClasses, all_classes
+from shardshift.reshard.space import Box, LogicalTensor, StateSpace
 
 Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
 PieceCopies = tuple[tuple[int, int, int], ...]  # (holder, of, tensor): `holder` keeps a copy of `of`'s old piece
@@ -95,11 +99,12 @@ class Segment:
         return self.src == self.dst
 
 
-def coord_holdings(space: StateSpace, layout: Layout) -> Holdings:
-    """The box of every tensor held at each coordinate of `layout`, in rank order."""
-    return tuple(
-        tuple(holding(space, layout, coord, t) for t in space.tensors) for coord in layout.coords()
-    )
+def coord_holdings(space: StateSpace, layout: Layout, classes: Sequence[TensorClasses] | None = None) -> Holdings:
+    """The box of every tensor held at each coordinate of `layout`, in rank order (from the
+    tensors' classes: `holding` is evaluated once per distinct box)."""
+    classes = all_classes(space, layout) if classes is None else classes
+    columns = [[None if k == NOTHING else c.boxes[k] for k in c.of_coord.tolist()] for c in classes]
+    return tuple(zip(*columns)) if columns else tuple(() for _ in range(layout.world_size))
 
 
 def holdings_of(space: StateSpace, assignment: Assignment, by_coord: Holdings | None = None) -> Holdings:
@@ -145,43 +150,44 @@ def increasing_on_every_axis(layout: Layout, ranks: Sequence[int]) -> bool:
 
 
 def choose_ranks(
-    space: StateSpace, old: Assignment, layout: Layout, old_held: Holdings | None = None,
-    by_coord: Holdings | None = None, members: Sequence[int] | None = None,
+    space: StateSpace, old: Assignment, layout: Layout, members: Sequence[int] | None = None,
+    old_classes: Sequence[TensorClasses] | None = None, new_classes: Sequence[TensorClasses] | None = None,
 ) -> Assignment:
     """The placement of `layout` on the processes that keeps the most bytes where they are.
 
     Process p keeps ``kept[p, i]`` bytes if it takes coordinate i: maximising the sum is a linear
     assignment problem. In the same world its optimum is taken when every axis runs in increasing
-    rank order (see `axis_orders`); otherwise the best of the axis orders is. Ties keep the
-    current order.
+    rank order (see `axis_orders`), otherwise the best of the axis orders is; ties go to the
+    earliest axis order (the identity first, so a switch to the same layout keeps everything).
 
     `members`: the processes (of `old.world`) that make up a new world of another size. Its ranks
     are numbered afresh, by coordinate, so any placement is one PyTorch's meshes take: the optimum
     is used as it is.
+
+    Kept bytes come from the tensors' classes (`classes.KeptBytes`), not from every pair of
+    process and coordinate.
     """
+    n = layout.world_size
+    old_classes = all_classes(space, old.layout) if old_classes is None else old_classes
+    new_classes = all_classes(space, layout) if new_classes is None else new_classes
+    kept = KeptBytes(space.tensors, old_classes, new_classes)
+    held = np.full(old.world, NOTHING)  # process -> the old coordinate it holds
+    held[list(old.ranks)] = np.arange(len(old.ranks))
+    processes = list(range(n)) if members is None else list(members)
+    assert len(processes) == n, (members, layout)
     from scipy.optimize import linear_sum_assignment  # here: a run that never switches never loads scipy
 
-    n = layout.world_size
-    old_held = holdings_of(space, old) if old_held is None else old_held
-    by_coord = coord_holdings(space, layout) if by_coord is None else by_coord
-    if members is not None:
-        assert len(members) == n, (members, layout)
-        kept = np.array([[_kept_bytes(space.tensors, old_held[p], by_coord[i]) for i in range(n)] for p in members])
-        procs, coords = linear_sum_assignment(kept, maximize=True)
-        placed = [0] * n
-        for p, i in zip(procs, coords):
-            placed[i] = int(members[p])
-        return Assignment(layout, tuple(placed), old.world)
-    assert n == old.layout.world_size and old.world == n, "a new world of another size needs `members`"
-    kept = np.array([[_kept_bytes(space.tensors, old_held[p], by_coord[i]) for i in range(n)] for p in range(n)])
-    candidates = axis_orders(layout)
-    procs, coords = linear_sum_assignment(kept, maximize=True)
+    procs, coords = linear_sum_assignment(kept.matrix(held[processes], range(n)), maximize=True)
     best = [0] * n
     for p, i in zip(procs, coords):
-        best[i] = int(p)
+        best[i] = int(processes[p])
+    if members is not None:
+        return Assignment(layout, tuple(best), old.world)
+    assert n == old.layout.world_size and old.world == n, "a new world of another size needs `members`"
+    candidates = axis_orders(layout)
     if increasing_on_every_axis(layout, best):
         candidates.append(tuple(best))
-    score = [sum(int(kept[r, i]) for i, r in enumerate(order)) for order in candidates]
+    score = [kept.total(held[list(order)]) for order in candidates]
     return Assignment(layout, candidates[score.index(max(score))])
 
 
@@ -291,6 +297,39 @@ def _replica_classes(boxes: list[tuple[Holder, Box]]) -> list[tuple[Box, list[Ho
     return out
 
 
+class _Sources:
+    """The holders of one old box of a tensor, asked in order: the destination itself (its own
+    piece, then a copy it keeps), then the holder asked for the fewest bytes so far (own pieces
+    before copies; ties to the lower process, then the earlier holder). A heap per kind keeps
+    that order as `sent` grows (entries are refreshed when found stale: `sent` only grows), so
+    choosing costs log(holders), not holders: a tensor replicated over a thousand ranks is
+    planned in time linear in the ranks."""
+
+    def __init__(self, holders: list[Holder], sent: list[int]) -> None:
+        self.own = {h[0] for h in holders if h[1] is None}
+        self.copy_at: dict[int, int] = {}
+        for holder, of in holders:
+            if of is not None:
+                self.copy_at.setdefault(holder, of)
+        entries = [(sent[h[0]], h[0], i, h) for i, h in enumerate(holders)]
+        self.heaps = ([e for e in entries if e[3][1] is None], [e for e in entries if e[3][1] is not None])
+        for heap in self.heaps:
+            heapq.heapify(heap)
+
+    def pick(self, dst: int, sent: list[int]) -> Holder:
+        if dst in self.own:
+            return (dst, None)
+        if dst in self.copy_at:
+            return (dst, self.copy_at[dst])
+        for heap in self.heaps:
+            while heap:
+                count, rank, i, holder = heap[0]
+                if count == sent[rank]:
+                    return holder
+                heapq.heapreplace(heap, (sent[rank], rank, i, holder))
+        raise AssertionError("an old box without holders")
+
+
 def plan_transition(
     space: StateSpace, old: Assignment, layout: Layout, ranks: Sequence[int] | None = None,
     members: Sequence[int] | None = None, lost: Sequence[int] = (), copies: PieceCopies = (),
@@ -316,11 +355,13 @@ def plan_transition(
     if members is not None and len(members) != layout.world_size:
         raise ValueError(f"layout {layout} has {layout.world_size} ranks but the new world has {len(members)} processes")
     tensors = tuple(space.tensors)
-    old_boxes, by_coord = holdings_of(space, old), coord_holdings(space, layout)
+    old_classes, new_classes = all_classes(space, old.layout), all_classes(space, layout)
+    old_boxes = holdings_of(space, old, coord_holdings(space, old.layout, old_classes))
+    by_coord = coord_holdings(space, layout, new_classes)
     if ranks is not None:
         new = Assignment(layout, tuple(ranks), old.processes)
     else:
-        new = choose_ranks(space, old, layout, old_boxes, by_coord, members)
+        new = choose_ranks(space, old, layout, members, old_classes, new_classes)
     if members is None and not increasing_on_every_axis(layout, new.ranks):
         raise ValueError(f"rank order {list(new.ranks)} runs backwards along an axis of {layout}; use one of `axis_orders`")
     new_boxes = holdings_of(space, new, by_coord)
@@ -338,19 +379,17 @@ def plan_transition(
     segments: list[Segment] = []
     for index, tensor in enumerate(tensors):
         own = [((r, None), old_boxes[r][index]) for r in range(n) if old_boxes[r][index] is not None]
-        classes = _replica_classes(own + extra.get(index, []))
+        classes = [(box, _Sources(holders, sent)) for box, holders in _replica_classes(own + extra.get(index, []))]
         for dst in range(n):
             need = new_boxes[dst][index]
             if need is None or need.empty:
                 continue
             covered = 0
-            for source_box, holders in classes:
+            for source_box, sources in classes:
                 piece = source_box.intersect(need)
                 if piece.empty:
                     continue
-                # Prefer the destination itself (its own piece, then a copy it keeps), then the
-                # holder asked for the fewest bytes so far.
-                src, copy_of = min(holders, key=lambda h: (h[0] != dst, h[1] is not None, sent[h[0]], h[0]))
+                src, copy_of = sources.pick(dst, sent)
                 if src != dst:
                     sent[src] += piece.numel * tensor.itemsize
                 segments.append(Segment(index, src, dst, piece, copy_of))

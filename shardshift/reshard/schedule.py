@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 from shardshift.reshard.plan import Segment, TransitionPlan
 
 DEFAULT_BUDGET = 256 << 20
@@ -193,7 +195,9 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Switch
     n = plan.world_size
     cap = max(1, budget // 4)
     old_piece, new_piece = _pieces(plan, plan.old_boxes), _pieces(plan, plan.new_boxes)
-    limit = [_allowance(plan, r) + budget for r in range(n)]
+    limit = (_allowances(old_piece, new_piece) + budget).tolist()
+    # Only the processes holding a piece of a tensor are touched by it: (process, bytes) lists.
+    olds, news = _holders(old_piece), _holders(new_piece)
     by_tensor: dict[int, list[Segment]] = {}
     for seg in plan.segments:
         by_tensor.setdefault(seg.tensor, []).append(seg)
@@ -211,45 +215,56 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET) -> Switch
             level[r] += opened[r] - freeing[r]
             opened[r] = buffers[r] = freeing[r] = 0
 
-    for t in memory_order(plan):
+    for t in memory_order(plan, old_piece, new_piece):
         itemsize = plan.tensors[t].itemsize
         for seg in by_tensor.get(t, ()):
             for box in seg.box.split(itemsize, cap):
                 nbytes = align(box.numel * itemsize)  # as packed in a message
-                cost = [0] * n
-                if t not in started:
-                    cost = list(new_piece[t])
+                cost = {} if t in started else dict(news[t])
                 if not seg.local:
-                    cost[seg.src] += nbytes
-                    cost[seg.dst] += nbytes
-                if current and any(c and level[r] + opened[r] + buffers[r] + c > limit[r] for r, c in enumerate(cost)):
+                    cost[seg.src] = cost.get(seg.src, 0) + nbytes
+                    cost[seg.dst] = cost.get(seg.dst, 0) + nbytes
+                if current and any(level[r] + opened[r] + buffers[r] + c > limit[r] for r, c in cost.items()):
                     close()
                 if t not in started:
                     started.add(t)
-                    for r in range(n):
-                        opened[r] += new_piece[t][r]
+                    for r, nbytes_new in news[t]:
+                        opened[r] += nbytes_new
                 if not seg.local:
                     buffers[seg.src] += nbytes
                     buffers[seg.dst] += nbytes
                 current.append(dataclasses.replace(seg, box=box))
-        for r in range(n):  # the tensor is done: its old pieces go at the end of this round
-            freeing[r] += old_piece[t][r]
+        for r, nbytes_old in olds[t]:  # the tensor is done: its old pieces go at the end of this round
+            freeing[r] += nbytes_old
     if current:
         close()
     return SwitchSchedule(plan, budget, tuple(rounds))
 
 
-def _pieces(plan: TransitionPlan, boxes) -> list[list[int]]:
-    """[tensor][process] bytes of the piece each process holds (0 for none)."""
-    return [[plan.piece_bytes(boxes, r, t) for r in range(plan.world_size)] for t in range(len(plan.tensors))]
+def _pieces(plan: TransitionPlan, boxes) -> np.ndarray:
+    """int64[tensor, process]: bytes of the piece each process holds (0 for none)."""
+    itemsize = np.array([t.itemsize for t in plan.tensors], dtype=np.int64)
+    numel = np.array([[0 if box is None else box.numel for box in row] for row in boxes], dtype=np.int64)
+    return numel.T * itemsize[:, None] if numel.size else np.zeros((len(plan.tensors), plan.world_size), np.int64)
+
+
+def _holders(pieces: np.ndarray) -> list[list[tuple[int, int]]]:
+    """[tensor]: (process, bytes) of every process holding a non-empty piece of it."""
+    return [[(int(r), int(row[r])) for r in np.flatnonzero(row)] for row in pieces]
+
+
+def _allowances(old_piece: np.ndarray, new_piece: np.ndarray) -> np.ndarray:
+    """How far above its old state each process may go without exceeding max(old, new)."""
+    return np.maximum(new_piece.sum(axis=0) - old_piece.sum(axis=0), 0)
 
 
 def _allowance(plan: TransitionPlan, rank: int) -> int:
-    """How far above its old state a process may go without exceeding max(old, new)."""
+    """`_allowances` of one process."""
     return max(plan.held_bytes(plan.new_boxes, rank) - plan.held_bytes(plan.old_boxes, rank), 0)
 
 
-def memory_order(plan: TransitionPlan) -> list[int]:
+def memory_order(plan: TransitionPlan, old_piece: np.ndarray | None = None,
+                 new_piece: np.ndarray | None = None) -> list[int]:
     """An order of the tensors that keeps each process's state near max(old, new) throughout.
 
     Process r starts at its old state and, after tensor T, holds ``new[T, r] - old[T, r]`` more;
@@ -258,25 +273,20 @@ def memory_order(plan: TransitionPlan) -> list[int]:
     pattern of pieces across processes keep their relative order, and only the first waiting tensor
     of each pattern is a candidate, so this is fast for any model.
     """
-    n = plan.world_size
-    old_piece, new_piece = _pieces(plan, plan.old_boxes), _pieces(plan, plan.new_boxes)
-    size = {t: list(zip(old_piece[t], new_piece[t])) for t in range(len(plan.tensors))}
-    allowance = [_allowance(plan, r) for r in range(n)]
-    queues: dict[tuple, list[int]] = {}
+    old_piece = _pieces(plan, plan.old_boxes) if old_piece is None else old_piece
+    new_piece = _pieces(plan, plan.new_boxes) if new_piece is None else new_piece
+    allowance = _allowances(old_piece, new_piece)
+    queues: dict[bytes, list[int]] = {}
+    patterns = np.stack([old_piece > 0, new_piece > 0, new_piece > old_piece], axis=-1)
     for t in range(len(plan.tensors)):
-        pattern = tuple((old > 0, new > 0, new > old) for old, new in size[t])
-        queues.setdefault(pattern, []).append(t)
+        queues.setdefault(patterns[t].tobytes(), []).append(t)
     heads = {pattern: 0 for pattern in queues}
-    level = [0] * n  # bytes above the old state, per process
+    level = np.zeros(plan.world_size, dtype=np.int64)  # bytes above the old state, per process
     order = []
     while len(order) < len(plan.tensors):
-        def excess(t):
-            return max(level[r] + size[t][r][1] - allowance[r] for r in range(n))
-
         waiting = [(queues[p][i], p) for p, i in heads.items() if i < len(queues[p])]
-        t, pattern = min(waiting, key=lambda item: (excess(item[0]), item[0]))
+        t, pattern = min(waiting, key=lambda item: (int((level + new_piece[item[0]] - allowance).max()), item[0]))
         heads[pattern] += 1
         order.append(t)
-        for r in range(n):
-            level[r] += size[t][r][1] - size[t][r][0]
+        level += new_piece[t] - old_piece[t]
     return order

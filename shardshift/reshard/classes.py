@@ -1,0 +1,117 @@
+"""Coordinates grouped by what they hold: the planner's answer to worlds of thousands of ranks.
+
+Under a layout, the box of one logical tensor at a coordinate depends on a few of the coordinate's
+axes only: the pipeline stage decides whether the rank holds the tensor at all, and each `Split`
+of its sharding takes its chunk index from one axis (tensor parallelism from ``tp``, FSDP2 from
+``fsdp``); every other axis holds replicas. So the ranks of a layout fall into a few *classes* per
+tensor, one per distinct box, and every question the planner asks of all ranks (which box, how many
+bytes kept if a process takes a coordinate) can be asked once per class and spread over the ranks
+with numpy.
+
+`TensorClasses` holds, for one tensor and layout, the distinct boxes and the class of every
+coordinate (in the layout's rank order). `classes_of` finds the axes a tensor depends on by asking
+the space's sharding at coordinates that differ in one axis (a split's index changes exactly when
+its axis does), then evaluates `holding` once per class.
+
+Nothing here imports ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from shardshift.layout import AXES, Coord, Layout
+from shardshift.reshard.space import Box, LogicalTensor, StateSpace, holding
+
+NOTHING = -1  # the class of a coordinate that holds none of the tensor (another pipeline stage)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorClasses:
+    """The coordinates of a layout grouped by the box of one tensor they hold."""
+
+    boxes: tuple[Box, ...]  # the distinct boxes, by class
+    of_coord: np.ndarray  # int64[world]: the class of each coordinate in rank order, NOTHING for none
+    signature: tuple  # equal for tensors whose classes split the coordinates alike (`of_coord` equal)
+
+    def box(self, coord: int) -> Box | None:
+        cls = int(self.of_coord[coord])
+        return None if cls == NOTHING else self.boxes[cls]
+
+
+def coordinates(layout: Layout) -> np.ndarray:
+    """int64[world, len(AXES)]: every coordinate of `layout`, in rank order."""
+    return np.indices(layout.shape).reshape(len(AXES), -1).T
+
+
+def classes_of(space: StateSpace, layout: Layout, tensor: LogicalTensor, coords: np.ndarray | None = None
+               ) -> TensorClasses:
+    """The classes of `tensor`'s boxes over the coordinates of `layout` (module docstring)."""
+    coords = coordinates(layout) if coords is None else coords
+    base = Coord(*(0,) * len(AXES))
+    sharding = space.sharding(layout, base, tensor)
+    axes = []
+    for a, axis in enumerate(AXES):
+        if axis == "pp" or layout.shape[a] == 1:
+            continue
+        moved = dataclasses.replace(base, **{axis: 1})
+        if space.sharding(layout, moved, tensor).splits != sharding.splits:
+            axes.append(a)
+    degrees = [layout.shape[a] for a in axes]
+    keys = np.ravel_multi_index(tuple(coords[:, a] for a in axes), degrees) if axes else np.zeros(len(coords), np.int64)
+    boxes = []
+    for key in range(math.prod(degrees)):
+        index = np.unravel_index(key, degrees) if axes else ()
+        coord = dataclasses.replace(base, pp=sharding.stage or 0, **{AXES[a]: int(i) for a, i in zip(axes, index)})
+        boxes.append(holding(space, layout, coord, tensor))
+    if sharding.stage is not None:
+        keys = np.where(coords[:, 0] == sharding.stage, keys, NOTHING)
+    return TensorClasses(tuple(boxes), keys.astype(np.int64), (tuple(axes), sharding.stage))
+
+
+def all_classes(space: StateSpace, layout: Layout) -> list[TensorClasses]:
+    """`classes_of` every tensor of `space`, in its order."""
+    coords = coordinates(layout)
+    return [classes_of(space, layout, t, coords) for t in space.tensors]
+
+
+class KeptBytes:
+    """The bytes a process keeps in place if it takes a coordinate of the new layout, summed over
+    tensors, from their classes under the old and the new layout.
+
+    Tensors whose classes split both layouts' coordinates alike (equal signatures) share one
+    class-to-class matrix of kept bytes, so the work grows with the number of such groups (a few
+    per kind of tensor and pair of stages), not with the number of tensors or ranks squared.
+    A process is named by the old coordinate it held (NOTHING: it held nothing)."""
+
+    def __init__(self, tensors: Sequence[LogicalTensor], old: Sequence[TensorClasses],
+                 new: Sequence[TensorClasses]) -> None:
+        groups: dict[tuple, list] = {}
+        for t, a, b in zip(tensors, old, new):
+            matrix = np.array([[t.itemsize * x.intersect(y).numel for y in b.boxes] for x in a.boxes], dtype=float)
+            group = groups.setdefault((a.signature, b.signature), [a.of_coord, b.of_coord, 0.0])
+            group[2] = group[2] + matrix
+        # Each matrix gets a last row and column of zeros: the class NOTHING (-1) indexes them.
+        self.groups = [(a, b, np.pad(m, ((0, 1), (0, 1)))) for a, b, m in groups.values()]
+
+    def matrix(self, held: Sequence[int], coords: Sequence[int]) -> np.ndarray:
+        """kept[p, i] for the processes that held old coordinates `held` and new `coords`."""
+        held, coords = np.asarray(held), np.asarray(coords)
+        kept = np.zeros((len(held), len(coords)))
+        for old_cls, new_cls, matrix in self.groups:
+            kept += matrix[self._rows(old_cls, held)[:, None], new_cls[coords][None, :]]
+        return kept
+
+    def total(self, held: Sequence[int]) -> int:
+        """The bytes kept when new coordinate i goes to the process that held old coordinate
+        ``held[i]``."""
+        held = np.asarray(held)
+        return int(round(sum(m[self._rows(a, held), b].sum() for a, b, m in self.groups)))
+
+    @staticmethod
+    def _rows(old_cls: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return np.where(held == NOTHING, NOTHING, old_cls[np.maximum(held, 0)])
