@@ -121,6 +121,7 @@ def _switches(args: argparse.Namespace, layout: Layout) -> tuple[tuple[int, Layo
 
 def config_from_args(args: argparse.Namespace, layout: Layout):
     """Build and validate the run's configuration; raises ValueError with what to change."""
+    from shardshift.plots.canvas import can_draw
     from shardshift.train.config import OptimConfig, TrainConfig, model_config
     from shardshift.units import parse_size
 
@@ -147,7 +148,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         switch_budget=parse_size(args.switch_budget, "--switch-budget"),
         collectives=args.collectives,
         topology=args.topology,
-        plot=args.plot or (args.run_dir is not None and _can_draw()),
+        plot=args.plot or (args.run_dir is not None and can_draw()),
     )
 
 
@@ -367,12 +368,6 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _can_draw() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
-
-
 def _is_default_job(args: argparse.Namespace, layout: Layout) -> bool:
     """`shardshift train` as the README's first command runs it: the default layout and switches,
     and nothing said of where its outputs go."""
@@ -396,7 +391,9 @@ def _after_run_dir(cfg) -> None:
     from shardshift.train.sample import sample
 
     out = sample(cfg.save, DEFAULT_PROMPT, tokens=200, seed=0)
-    picture = cfg.picture or "none (matplotlib is not installed: pip install 'shardshift[plot]')"
+    from shardshift.plots.canvas import INSTALL
+
+    picture = cfg.picture or f"none (matplotlib is not installed: {INSTALL})"
     print(f"metrics: {cfg.metrics}\npicture: {picture}\ncheckpoint: {out.checkpoint}\n"
           f"text from the trained model (again: shardshift sample --resume {cfg.save}):\n\n{out.prompt}{out.text}\n",
           flush=True)

@@ -354,9 +354,7 @@ class ElasticWorker:
                 if control.leaving or joins:
                     self._change(control, step, joins)
             if self.trainer is not None and dist.get_rank() == 0:
-                event = self.summary.event(self.trainer)
-                say(Summary.line(event))
-                self.metrics.write(event)
+                self.summary.report(self.trainer, self.metrics)
                 self.store.set("done", "1")
             return 0
         finally:

@@ -37,10 +37,15 @@ def parse_pixels(text: str, flag: str = "--size") -> tuple[int, int]:
     return size
 
 
+def can_draw() -> bool:
+    """Whether matplotlib is installed (found, not imported)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def check_drawable(out: Path, flag: str) -> None:
     """Refuse, before any work, a picture that could not be written: matplotlib missing, a name
     that is not ``.png``, a folder that does not exist."""
-    if importlib.util.find_spec("matplotlib") is None:
+    if not can_draw():
         raise ValueError(f"{flag} needs matplotlib, which is not installed: {INSTALL}")
     if out.suffix.lower() != ".png":
         raise ValueError(f"{flag} {out}: pictures are PNG files; give a name ending in .png")

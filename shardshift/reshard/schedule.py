@@ -168,8 +168,9 @@ class SwitchSchedule:
         # The budget rule: a round stays within each process's limit, except that its first segment
         # is taken even when it alone goes over (a piece bigger than what is left of the budget);
         # then nothing more for that process joins the round.
+        allowances = _allowances(_pieces(self.plan, self.plan.old_boxes), _pieces(self.plan, self.plan.new_boxes))
         for rank in range(self.plan.world_size):
-            limit = _allowance(self.plan, rank) + self.budget
+            limit = int(allowances[rank]) + self.budget
             for index, (start, peak) in enumerate(self._memory(rank)):
                 first = self._first_cost(index, rank)
                 assert peak <= max(limit, start + first), f"round {index} takes rank {rank} to {peak} > {limit}"
@@ -256,11 +257,6 @@ def _holders(pieces: np.ndarray) -> list[list[tuple[int, int]]]:
 def _allowances(old_piece: np.ndarray, new_piece: np.ndarray) -> np.ndarray:
     """How far above its old state each process may go without exceeding max(old, new)."""
     return np.maximum(new_piece.sum(axis=0) - old_piece.sum(axis=0), 0)
-
-
-def _allowance(plan: TransitionPlan, rank: int) -> int:
-    """`_allowances` of one process."""
-    return max(plan.held_bytes(plan.new_boxes, rank) - plan.held_bytes(plan.old_boxes, rank), 0)
 
 
 def memory_order(plan: TransitionPlan, old_piece: np.ndarray | None = None,

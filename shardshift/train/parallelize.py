@@ -37,6 +37,7 @@ from shardshift.train.space import TP_STYLES, stage_blocks, uses_fsdp
 
 # Module (relative to a block) -> its tensor-parallel style, from the pure statement in `state.py`.
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+TREE_AXES = ("dp", "fsdp")  # the data axes, whose groups `build_parallel(trees=...)` runs on trees
 TP_PLAN = {module: _STYLES[style]() for module, style in TP_STYLES.items()}
 
 
@@ -98,7 +99,7 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     if trees is not None:
         from shardshift.collectives.execution.backend import BACKEND_NAME
 
-        override = {axis: (BACKEND_NAME, trees) for axis in ("dp", "fsdp") if getattr(layout, axis) > 1}
+        override = {axis: (BACKEND_NAME, trees) for axis in TREE_AXES if getattr(layout, axis) > 1}
     if ranks == tuple(range(layout.world_size)):
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES, backend_override=override or None)
     else:

@@ -37,6 +37,7 @@ from shardshift.train import checkpoint
 from shardshift.train.catalog import REPLACED_PREFIX, RunIdentity, check_save_dir, checkpoints, choose
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import digest, load_tokens
+from shardshift.train.parallelize import TREE_AXES
 from shardshift.train.state import LostState
 from shardshift.train.trainer import Diverged, StepResult, Trainer
 from shardshift.units import format_size
@@ -147,6 +148,12 @@ class Summary:
         self.changes += 1
         self.change_seconds += seconds
 
+    def report(self, trainer: Trainer, metrics: Metrics) -> None:
+        """Say the run's end in one line, and record it in the metrics (rank 0)."""
+        event = self.event(trainer)
+        say(Summary.line(event))
+        metrics.write(event)
+
     def event(self, trainer: Trainer) -> dict:
         return {"event": "summary", "step": trainer.progress.step, "steps": self.steps,
                 "tokens": self.steps * self.cfg.tokens_per_step, "seconds": time.monotonic() - self.start,
@@ -177,7 +184,7 @@ class Summary:
 def tree_calls(trainer: Trainer) -> dict[str, int]:
     """The calls this rank's data-axis groups ran on trees, by op (none unless --collectives trees)."""
     calls: dict[str, int] = {}
-    for axis in ("dp", "fsdp"):
+    for axis in TREE_AXES:
         calls = _added(calls, getattr(trainer.par.mesh[axis].get_group(), "tree_calls", {}))
     return calls
 
@@ -247,9 +254,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     try:
         _loop(cfg, trainer, proc.rank, metrics, signals, summary)
         if proc.rank == 0:
-            event = summary.event(trainer)
-            say(Summary.line(event))
-            metrics.write(event)
+            summary.report(trainer, metrics)
     except Stopped as stop:
         if proc.rank == 0:
             saved = f"; resume with --resume {cfg.save}" if cfg.save else " (no --save: nothing was saved)"
