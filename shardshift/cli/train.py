@@ -349,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args, layout)  # also checks every --switch layout against the job
         if not in_worker():
             if args.run_dir is not None:
+                if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+                    raise ValueError(f"--run-dir {args.run_dir}: a file is in the way; give a directory")
                 Path(args.run_dir).mkdir(parents=True, exist_ok=True)
             _check_before_launch(cfg, args.log_dir)
     except ValueError as err:

@@ -54,6 +54,7 @@ def _not_a_worker(monkeypatch):
         (["--collectives", "trees", "--topology", "/nonexistent.yaml"], "--topology: topology '/nonexistent.yaml'"),
         (["--collectives", "trees", "--topology", "dgx1v:0,1"], "--topology: .* has 2 ranks but the group has 4"),
         (["--collectives", "trees", "--elastic", "--nproc", "2"], "--collectives trees does not go with --elastic"),
+        (["--run-dir", "/dev/null"], "--run-dir /dev/null: a file is in the way"),
     ],
 )
 def test_train_refuses_bad_input_before_any_process_starts(args, needle, capsys, monkeypatch):
