@@ -1,10 +1,14 @@
-"""The `Layout` value: degrees of the four parallel axes and their rank order.
+"""The `Layout` value: degrees of the parallel axes and their rank order.
 
 A layout is written on the command line as ``dp=2,tp=2``; degrees not written are 1. The axes are
-always ordered ``pp, dp, fsdp, tp`` from outermost to innermost, so a rank's coordinate is its index
-in a row-major array of that shape (tp ranks are neighbours, pp stages are the farthest apart):
+always ordered ``pp, dp, fsdp, ep, tp`` from outermost to innermost, so a rank's coordinate is its
+index in a row-major array of that shape (tp ranks are neighbours, pp stages are the farthest apart):
 
-    rank = ((pp_i * dp + dp_i) * fsdp + fsdp_i) * tp + tp_i
+    rank = (((pp_i * dp + dp_i) * fsdp + fsdp_i) * ep + ep_i) * tp + tp_i
+
+``ep`` (expert parallelism) exists for planning mixture-of-experts models (`shardshift simulate`):
+the batch is split over dp x fsdp x ep, dense tensors are replicated along ep and expert tensors
+split along it. Training the shipped GPT refuses ep > 1 (it has no experts).
 
 For ``pp=2,fsdp=2`` that gives::
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "ep", "tp")
 """Mesh axis names, outermost first. This order is the rank order."""
 
 
@@ -33,6 +37,7 @@ class Coord:
     pp: int
     dp: int
     fsdp: int
+    ep: int
     tp: int
 
 
@@ -44,6 +49,7 @@ class Layout:
     fsdp: int = 1  # FSDP2-sharded data parallel (HSDP when dp > 1 too)
     tp: int = 1  # tensor parallel (DTensor parallelize_module)
     pp: int = 1  # pipeline parallel (torch.distributed.pipelining, 1F1B)
+    ep: int = 1  # expert parallel: experts split, dense tensors replicated (planning only)
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -87,7 +93,7 @@ class Layout:
         return cls(**degrees)
 
     def __str__(self) -> str:
-        parts = [f"{axis}={getattr(self, axis)}" for axis in ("dp", "fsdp", "tp", "pp")]
+        parts = [f"{axis}={getattr(self, axis)}" for axis in ("dp", "fsdp", "ep", "tp", "pp")]
         kept = [p for p in parts if not p.endswith("=1")]
         return ",".join(kept) if kept else "dp=1"
 
@@ -95,7 +101,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.tp
+        return self.pp * self.dp * self.fsdp * self.ep * self.tp
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -104,8 +110,8 @@ class Layout:
 
     @property
     def data_parallel(self) -> int:
-        """Number of ranks the global batch is split among (dp × fsdp)."""
-        return self.dp * self.fsdp
+        """Number of ranks the global batch is split among (dp × fsdp × ep)."""
+        return self.dp * self.fsdp * self.ep
 
     # ---- rank <-> coordinate --------------------------------------------------------------------
 
@@ -116,8 +122,7 @@ class Layout:
         for size in reversed(self.shape):
             index.append(rank % size)
             rank //= size
-        pp, dp, fsdp, tp = reversed(index)
-        return Coord(pp=pp, dp=dp, fsdp=fsdp, tp=tp)
+        return Coord(*reversed(index))
 
     def rank(self, coord: Coord) -> int:
         rank = 0
@@ -128,8 +133,8 @@ class Layout:
         return rank
 
     def data_rank(self, coord: Coord) -> int:
-        """Which slice of the global batch a rank reads: dp index outer, fsdp index inner."""
-        return coord.dp * self.fsdp + coord.fsdp
+        """Which slice of the global batch a rank reads: dp index outermost, then fsdp, then ep."""
+        return (coord.dp * self.fsdp + coord.fsdp) * self.ep + coord.ep
 
     def coords(self) -> Iterator[Coord]:
         for rank in range(self.world_size):
@@ -159,7 +164,7 @@ def divisors(n: int) -> list[int]:
 
 
 def all_layouts(world_size: int) -> list[Layout]:
-    """Every layout of exactly `world_size` ranks (all degree combinations)."""
+    """Every training layout of exactly `world_size` ranks (all degree combinations, ep = 1)."""
     out = []
     for pp in divisors(world_size):
         for dp in divisors(world_size // pp):

@@ -30,13 +30,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from shardshift.layout import AXES, Coord, Layout
+from shardshift.layout import Coord, Layout
 from shardshift.reshard.plan import increasing_on_every_axis
 from shardshift.train.model import GPT, ModelConfig, init_value
 from shardshift.train.space import TP_STYLES, stage_blocks, uses_fsdp
 
 # Module (relative to a block) -> its tensor-parallel style, from the pure statement in `state.py`.
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+MESH_AXES = ("pp", "dp", "fsdp", "tp")  # the training mesh's dims: `AXES` but ep, which training refuses
 TREE_AXES = ("dp", "fsdp")  # the data axes, whose groups `build_parallel(trees=...)` runs on trees
 TP_PLAN = {module: _STYLES[style]() for module, style in TP_STYLES.items()}
 
@@ -46,7 +47,7 @@ class Parallel:
     """The mesh of a layout, as seen from one rank."""
 
     layout: Layout
-    mesh: DeviceMesh  # 4-D, axes AXES
+    mesh: DeviceMesh  # 4-D, axes MESH_AXES
     coord: Coord
     ranks: tuple[int, ...]  # the process rank at each of the layout's coordinates, in rank order
     trees: object = None  # ShardShiftOptions of the data axes' groups when they run on trees (`build_parallel`)
@@ -84,7 +85,7 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
                    trees=None) -> Parallel:
     """The meshes of `layout` (a collective: every rank calls it).
 
-    `ranks[i]` is the process at the layout's i-th coordinate (row-major over `AXES`); by default
+    `ranks[i]` is the process at the layout's i-th coordinate (row-major over the layout's axes); by default
     process i. A switch passes the order that keeps the most state where it already is.
     `trees` (ShardShiftOptions): the groups of the data axes (`dp`, `fsdp`), whose collectives are
     DDP's and FSDP2's, are `shardshift` groups running them on packed trees; each group packs on
@@ -95,16 +96,18 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     # FSDP2 shards by a process's rank in the axis group, which `new_group` sorts: the mesh must
     # run in increasing rank order along every axis for that to match DTensor's coordinates.
     assert increasing_on_every_axis(layout, ranks), f"rank order {ranks} runs backwards on an axis"
+    assert layout.ep == 1, "training has no expert axis"
+    shape = tuple(getattr(layout, axis) for axis in MESH_AXES)
     override = {}
     if trees is not None:
         from shardshift.collectives.execution.backend import BACKEND_NAME
 
         override = {axis: (BACKEND_NAME, trees) for axis in TREE_AXES if getattr(layout, axis) > 1}
     if ranks == tuple(range(layout.world_size)):
-        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES, backend_override=override or None)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override or None)
     else:
-        mesh = DeviceMesh(device_type, torch.tensor(ranks).reshape(layout.shape), mesh_dim_names=AXES,
-                          backend_override=tuple(override.get(axis, (None, None)) for axis in AXES))
+        mesh = DeviceMesh(device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=MESH_AXES,
+                          backend_override=tuple(override.get(axis, (None, None)) for axis in MESH_AXES))
     return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks, trees=trees)
 
 

@@ -56,6 +56,11 @@ def stage_blocks(n_layer: int, pp: int) -> list[range]:
 
 def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     """Refuse a layout this model cannot take, saying which constraint failed and what would do."""
+    if layout.ep > 1:
+        raise ValueError(
+            f"ep={layout.ep}: the GPT has no experts to split; ep is for planning mixture-of-experts "
+            f"models with `shardshift simulate` (train with ep=1)"
+        )
     if layout.tp > 1:
         for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
             if size % layout.tp:

@@ -42,7 +42,7 @@ def test_a_tensor_has_one_class_per_distinct_box():
     layout = Layout(pp=2, dp=2, fsdp=2, tp=3)
     by_key = {t.key: t for t in SPACE.tensors}
     weight = classes_of(SPACE, layout, by_key["param:blocks.0.attn.q.weight"])  # tp rows, then fsdp
-    assert len(weight.boxes) == 6 and weight.signature == ((2, 3), 0)
+    assert len(weight.boxes) == 6 and weight.signature == ((2, 4), 0)
     assert (weight.of_coord[layout.world_size // 2:] == NOTHING).all()  # stage 1 holds none of block 0
     bias = classes_of(SPACE, layout, by_key["param:blocks.4.attn.out.bias"])  # row-parallel bias: fsdp only
     assert len(bias.boxes) == 2 and bias.signature == ((2,), 1)

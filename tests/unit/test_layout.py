@@ -43,7 +43,22 @@ def test_rank_order_is_pp_dp_fsdp_tp_row_major():
         assert expected == rank
     # tp neighbours are adjacent ranks; pipeline stages are the outermost blocks.
     assert layout.coord(1).tp == 1 and layout.coord(layout.world_size // 2).pp == 1
-    assert AXES == ("pp", "dp", "fsdp", "tp")
+    assert AXES == ("pp", "dp", "fsdp", "ep", "tp")
+
+
+def test_ep_sits_between_fsdp_and_tp_and_splits_the_batch():
+    layout = Layout.parse("dp=2,ep=3,tp=2")
+    assert str(layout) == "dp=2,ep=3,tp=2" and layout.world_size == 12 and layout.data_parallel == 6
+    for rank in range(layout.world_size):
+        coord = layout.coord(rank)
+        assert layout.rank(coord) == rank == (coord.dp * 3 + coord.ep) * 2 + coord.tp
+    assert sorted({layout.data_rank(c) for c in layout.coords()}) == list(range(6))
+    assert all(layout.ep == 1 for layout in all_layouts(12))
+
+
+def test_training_refuses_ep_saying_it_is_for_planning():
+    with pytest.raises(ValueError, match="ep=2.*simulate"):
+        check_layout(Layout(ep=2), model_config("tiny"))
 
 
 def test_data_rank_covers_each_batch_slice_once_per_stage_and_tp():
