@@ -48,35 +48,56 @@ def coordinates(layout: Layout) -> np.ndarray:
     return np.indices(layout.shape).reshape(len(AXES), -1).T
 
 
-def classes_of(space: StateSpace, layout: Layout, tensor: LogicalTensor, coords: np.ndarray | None = None
-               ) -> TensorClasses:
-    """The classes of `tensor`'s boxes over the coordinates of `layout` (module docstring)."""
+def class_at(of_coord: np.ndarray, coords: np.ndarray) -> np.ndarray:
+    """The class of each entry of `coords` (a coordinate, or NOTHING for a process holding none)."""
+    coords = np.asarray(coords)
+    return np.where(coords == NOTHING, NOTHING, of_coord[np.maximum(coords, 0)])
+
+
+def classes_of(space: StateSpace, layout: Layout, tensor: LogicalTensor, coords: np.ndarray | None = None,
+               cache: dict | None = None) -> TensorClasses:
+    """The classes of `tensor`'s boxes over the coordinates of `layout` (module docstring).
+
+    `cache` (one dict per layout, as `all_classes` keeps): tensors of one shape sharded alike (the
+    same splits at the first coordinate, taking their indices from the same axes) share their
+    boxes, and tensors depending on the same axes and stage share the class of every coordinate,
+    so a model of thousands of tensors evaluates `holding` once per kind of tensor and stage."""
     coords = coordinates(layout) if coords is None else coords
+    cache = {} if cache is None else cache
     base = Coord(*(0,) * len(AXES))
     sharding = space.sharding(layout, base, tensor)
-    axes = []
+    axes, moves = [], []
     for a, axis in enumerate(AXES):
         if axis == "pp" or layout.shape[a] == 1:
             continue
-        moved = dataclasses.replace(base, **{axis: 1})
-        if space.sharding(layout, moved, tensor).splits != sharding.splits:
+        moved = space.sharding(layout, dataclasses.replace(base, **{axis: 1}), tensor).splits
+        if moved != sharding.splits:
             axes.append(a)
+            moves.append(tuple(i for i, (x, y) in enumerate(zip(moved, sharding.splits)) if x != y))
+    signature = (tuple(axes), sharding.stage)
     degrees = [layout.shape[a] for a in axes]
-    keys = np.ravel_multi_index(tuple(coords[:, a] for a in axes), degrees) if axes else np.zeros(len(coords), np.int64)
-    boxes = []
-    for key in range(math.prod(degrees)):
-        index = np.unravel_index(key, degrees) if axes else ()
-        coord = dataclasses.replace(base, pp=sharding.stage or 0, **{AXES[a]: int(i) for a, i in zip(axes, index)})
-        boxes.append(holding(space, layout, coord, tensor))
-    if sharding.stage is not None:
-        keys = np.where(coords[:, 0] == sharding.stage, keys, NOTHING)
-    return TensorClasses(tuple(boxes), keys.astype(np.int64), (tuple(axes), sharding.stage))
+    boxes_key = ("boxes", tensor.shape, sharding, tuple(moves), signature)
+    if boxes_key not in cache:
+        boxes = []
+        for key in range(math.prod(degrees)):
+            index = np.unravel_index(key, degrees) if axes else ()
+            coord = dataclasses.replace(base, pp=sharding.stage or 0, **{AXES[a]: int(i) for a, i in zip(axes, index)})
+            boxes.append(holding(space, layout, coord, tensor))
+        cache[boxes_key] = tuple(boxes)
+    if signature not in cache:
+        keys = np.ravel_multi_index(tuple(coords[:, a] for a in axes), degrees) if axes else np.zeros(len(coords), np.int64)
+        if sharding.stage is not None:
+            keys = np.where(coords[:, 0] == sharding.stage, keys, NOTHING)
+        keys = keys.astype(np.int64)
+        keys.setflags(write=False)  # shared by every tensor of this signature
+        cache[signature] = keys
+    return TensorClasses(cache[boxes_key], cache[signature], signature)
 
 
 def all_classes(space: StateSpace, layout: Layout) -> list[TensorClasses]:
-    """`classes_of` every tensor of `space`, in its order."""
-    coords = coordinates(layout)
-    return [classes_of(space, layout, t, coords) for t in space.tensors]
+    """`classes_of` every tensor of `space`, in its order (sharing boxes and class arrays)."""
+    coords, cache = coordinates(layout), {}
+    return [classes_of(space, layout, t, coords, cache) for t in space.tensors]
 
 
 class KeptBytes:
@@ -103,15 +124,19 @@ class KeptBytes:
         held, coords = np.asarray(held), np.asarray(coords)
         kept = np.zeros((len(held), len(coords)))
         for old_cls, new_cls, matrix in self.groups:
-            kept += matrix[self._rows(old_cls, held)[:, None], new_cls[coords][None, :]]
+            kept += matrix[class_at(old_cls, held)[:, None], new_cls[coords][None, :]]
         return kept
 
     def total(self, held: Sequence[int]) -> int:
         """The bytes kept when new coordinate i goes to the process that held old coordinate
         ``held[i]``."""
         held = np.asarray(held)
-        return int(round(sum(m[self._rows(a, held), b].sum() for a, b, m in self.groups)))
+        return int(round(sum(m[class_at(a, held), b].sum() for a, b, m in self.groups)))
 
-    @staticmethod
-    def _rows(old_cls: np.ndarray, held: np.ndarray) -> np.ndarray:
-        return np.where(held == NOTHING, NOTHING, old_cls[np.maximum(held, 0)])
+    def kept(self, held: np.ndarray, placed: np.ndarray) -> int:
+        """The bytes kept in place when process p holds old coordinate ``held[p]`` and takes new
+        coordinate ``placed[p]`` (either NOTHING: none)."""
+        on = placed != NOTHING
+        return int(round(sum(m[class_at(a, held[on]), b[placed[on]]].sum() for a, b, m in self.groups)))
+
+

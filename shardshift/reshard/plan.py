@@ -24,14 +24,14 @@ The plan is frozen data; `schedule.py` cuts it into memory-bounded rounds and `e
 from __future__ import annotations
 
 import dataclasses
-import heapq
+import functools
 import itertools
 from typing import Sequence
 
 import numpy as np
 
 from shardshift.layout import Coord, Layout
-from shardshift.reshard.classes import NOTHING, KeptBytes, TensorClasses, all_classes
+from shardshift.reshard.classes import NOTHING, KeptBytes, TensorClasses, all_classes, class_at
 from shardshift.reshard.space import Box, LogicalTensor, StateSpace
 
 Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
@@ -116,14 +116,6 @@ def holdings_of(space: StateSpace, assignment: Assignment, by_coord: Holdings | 
     return tuple(by_coord[index[rank]] if rank in index else nothing for rank in range(assignment.world))
 
 
-def _kept_bytes(tensors: Sequence[LogicalTensor], old: tuple[Box | None, ...], new: tuple[Box | None, ...]) -> int:
-    return sum(
-        t.itemsize * a.intersect(b).numel
-        for t, a, b in zip(tensors, old, new)
-        if a is not None and b is not None
-    )
-
-
 def axis_orders(layout: Layout) -> list[tuple[int, ...]]:
     """Rank orders in which every axis of the mesh runs in increasing process rank.
 
@@ -164,8 +156,7 @@ def choose_ranks(
     are numbered afresh, by coordinate, so any placement is one PyTorch's meshes take: the optimum
     is used as it is.
 
-    Kept bytes come from the tensors' classes (`classes.KeptBytes`), not from every pair of
-    process and coordinate.
+    The problem is solved over kinds of processes and coordinates, not over each (`_best_placement`).
     """
     n = layout.world_size
     old_classes = all_classes(space, old.layout) if old_classes is None else old_classes
@@ -173,76 +164,121 @@ def choose_ranks(
     kept = KeptBytes(space.tensors, old_classes, new_classes)
     held = np.full(old.world, NOTHING)  # process -> the old coordinate it holds
     held[list(old.ranks)] = np.arange(len(old.ranks))
-    processes = list(range(n)) if members is None else list(members)
+    processes = np.arange(n) if members is None else np.asarray(members)
     assert len(processes) == n, (members, layout)
-    from scipy.optimize import linear_sum_assignment  # here: a run that never switches never loads scipy
-
-    procs, coords = linear_sum_assignment(kept.matrix(held[processes], range(n)), maximize=True)
-    best = [0] * n
-    for p, i in zip(procs, coords):
-        best[i] = int(processes[p])
+    best = tuple(int(p) for p in processes[_best_placement(kept, held[processes], n)])
     if members is not None:
-        return Assignment(layout, tuple(best), old.world)
+        return Assignment(layout, best, old.world)
     assert n == old.layout.world_size and old.world == n, "a new world of another size needs `members`"
     candidates = axis_orders(layout)
     if increasing_on_every_axis(layout, best):
-        candidates.append(tuple(best))
+        candidates.append(best)
     score = [kept.total(held[list(order)]) for order in candidates]
     return Assignment(layout, candidates[score.index(max(score))])
 
 
-@dataclasses.dataclass(frozen=True)
+def _best_placement(kept: KeptBytes, held: np.ndarray, n: int) -> np.ndarray:
+    """For each new coordinate, the index into `held` of the process taking it, keeping the most
+    bytes in place (a linear assignment problem).
+
+    Processes that held coordinates of the same classes for every tensor keep the same bytes
+    anywhere, and new coordinates of the same classes are worth the same to anyone: the matrix of
+    kept bytes is worked out between those kinds (a few hundred at most for any layout) and spread
+    over the processes and coordinates by indexing, before the solver runs once on it."""
+    from scipy.optimize import linear_sum_assignment  # here: a run that never switches never loads scipy
+
+    p_kind, p_first = _kinds(np.stack([class_at(a, held) for a, _, _ in kept.groups], axis=1))
+    c_kind, c_first = _kinds(np.stack([b for _, b, _ in kept.groups], axis=1))
+    profit = kept.matrix(held[p_first], c_first)[np.ix_(p_kind, c_kind)]
+    procs, coords = linear_sum_assignment(profit, maximize=True)
+    out = np.empty(n, dtype=np.int64)
+    out[coords] = procs
+    return out
+
+
+def _kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kind of each row, the first row of each kind): equal rows are one kind."""
+    _, first, kind = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return kind.reshape(-1), first
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Flow:
+    """The pieces of some tensors that go from their old class `a` to their new class `b`: process
+    ``dst[i]`` receives them from ``src[i]`` (itself: a local copy), out of the copy it keeps of lost
+    process ``copy_of[i]``'s piece when that is not NOTHING. The tensors of a flow are alike (the
+    same classes on both sides), so one choice of sources serves them all and their pieces between
+    two processes travel together."""
+
+    tensors: tuple[int, ...]
+    a: int
+    b: int
+    dst: np.ndarray
+    src: np.ndarray
+    copy_of: np.ndarray
+    nbytes: int  # of the pieces of all `tensors`, per destination
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class TransitionPlan:
+    """Who sends which piece of which tensor to whom, kept per class of coordinates (`flows`);
+    `segments` spells it out per process, for a world small enough to run here."""
+
     tensors: tuple[LogicalTensor, ...]
     old: Assignment
     new: Assignment
-    old_boxes: Holdings
-    new_boxes: Holdings
-    segments: tuple[Segment, ...]  # grouped by tensor, in tensor order
+    old_classes: tuple[TensorClasses, ...]
+    new_classes: tuple[TensorClasses, ...]
+    held: np.ndarray  # int64[process]: the old coordinate whose state it holds (NOTHING: none, or lost)
+    placed: np.ndarray  # int64[process]: the new coordinate it takes (NOTHING: none)
+    flows: tuple[Flow, ...]
     copies: PieceCopies = ()  # the copies of lost processes' pieces that survivors keep
     copied: dict[tuple[int, int], Box] = dataclasses.field(default_factory=dict)  # (of, tensor): the copied box
 
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def world_size(self) -> int:
+        return len(self.held)
+
+    # ---- boxes, per process (small worlds) ------------------------------------------------------
+
+    def old_box(self, rank: int, tensor: int) -> Box | None:
+        return _box(self.old_classes[tensor], int(self.held[rank]))
+
+    def new_box(self, rank: int, tensor: int) -> Box | None:
+        return _box(self.new_classes[tensor], int(self.placed[rank]))
+
+    @functools.cached_property
+    def old_boxes(self) -> Holdings:
+        return _holdings(self.old_classes, self.held)
+
+    @functools.cached_property
+    def new_boxes(self) -> Holdings:
+        return _holdings(self.new_classes, self.placed)
+
     def source_box(self, seg: Segment) -> Box:
         """The old box `seg` is read from: its source's piece, or the copy it keeps."""
         if seg.copy_of is None:
-            return self.old_boxes[seg.src][seg.tensor]
+            return self.old_box(seg.src, seg.tensor)
         return self.copied[(seg.copy_of, seg.tensor)]
 
-    @property
-    def world_size(self) -> int:
-        return len(self.old_boxes)
+    @functools.cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """Every piece from its source to its destination, grouped by tensor in tensor order (within
+        a tensor: by destination, then by the old box's offsets)."""
+        out = []
+        for flow in self.flows:
+            for t in flow.tensors:
+                box = self.old_classes[t].boxes[flow.a].intersect(self.new_classes[t].boxes[flow.b])
+                for dst, src, of in zip(flow.dst.tolist(), flow.src.tolist(), flow.copy_of.tolist()):
+                    out.append(Segment(t, src, dst, box, None if of == NOTHING else of))
+        out.sort(key=lambda seg: (seg.tensor, seg.dst, seg.box.offsets))
+        return tuple(out)
 
     def segment_bytes(self, seg: Segment) -> int:
         return seg.box.numel * self.tensors[seg.tensor].itemsize
-
-    @property
-    def bytes_moved(self) -> int:
-        return sum(self.segment_bytes(s) for s in self.segments if not s.local)
-
-    @property
-    def bytes_kept(self) -> int:
-        return sum(self.segment_bytes(s) for s in self.segments if s.local)
-
-    @property
-    def bytes_total(self) -> int:
-        """All state under the new layout, summed over processes (replicas counted each time)."""
-        return sum(self.held_bytes(self.new_boxes, rank) for rank in range(self.world_size))
-
-    @property
-    def bytes_lower_bound(self) -> int:
-        """Bytes that must move for this assignment: what each process needs and holds neither
-        itself nor as a copy of a lost process's piece."""
-        kept = sum(_kept_bytes(self.tensors, self.old_boxes[r], self.new_boxes[r]) for r in range(self.world_size))
-        counted = set()
-        for holder, of, tensor in self.copies:  # each distinct box once: distinct boxes are disjoint
-            box, need = self.copied[(of, tensor)], self.new_boxes[holder][tensor]
-            if need is not None and box != self.old_boxes[holder][tensor] and (holder, tensor, box) not in counted:
-                counted.add((holder, tensor, box))
-                kept += self.tensors[tensor].itemsize * box.intersect(need).numel
-        return self.bytes_total - kept
 
     def piece_bytes(self, boxes: Holdings, rank: int, tensor: int) -> int:
         """Bytes of the piece of `tensor` that `rank` holds in `boxes` (0 for none)."""
@@ -252,82 +288,194 @@ class TransitionPlan:
     def held_bytes(self, boxes: Holdings, rank: int) -> int:
         return sum(self.piece_bytes(boxes, rank, t) for t in range(len(self.tensors)))
 
+    # ---- totals, from the classes (any world) ---------------------------------------------------
+
+    @functools.cached_property
+    def received(self) -> np.ndarray:
+        """int64[process]: bytes each process receives from others."""
+        return self._per_process(lambda f: f.dst)
+
+    @functools.cached_property
+    def sent(self) -> np.ndarray:
+        """int64[process]: bytes each process sends to others."""
+        return self._per_process(lambda f: f.src)
+
+    def _per_process(self, side) -> np.ndarray:
+        out = np.zeros(self.world_size, dtype=np.int64)
+        for f in self.flows:
+            moving = f.src != f.dst
+            np.add.at(out, side(f)[moving], f.nbytes)
+        return out
+
     def sent_bytes(self, rank: int) -> int:
-        return sum(self.segment_bytes(s) for s in self.segments if s.src == rank and not s.local)
+        return int(self.sent[rank])
+
+    @property
+    def bytes_moved(self) -> int:
+        return int(self.received.sum())
+
+    @property
+    def bytes_kept(self) -> int:
+        return sum(f.nbytes * int((f.src == f.dst).sum()) for f in self.flows)
+
+    @functools.cached_property
+    def bytes_total(self) -> int:
+        """All state under the new layout, summed over processes (replicas counted each time)."""
+        return _state_bytes(self.tensors, self.new_classes, self.placed)
+
+    @property
+    def bytes_lower_bound(self) -> int:
+        """Bytes that must move for this assignment: what each process needs and holds neither
+        itself nor as a copy of a lost process's piece."""
+        kept = int(KeptBytes(self.tensors, self.old_classes, self.new_classes).kept(self.held, self.placed))
+        counted = set()
+        for holder, of, tensor in self.copies:  # each distinct box once: distinct boxes are disjoint
+            box, need = self.copied[(of, tensor)], self.new_box(holder, tensor)
+            if need is not None and box != self.old_box(holder, tensor) and (holder, tensor, box) not in counted:
+                counted.add((holder, tensor, box))
+                kept += self.tensors[tensor].itemsize * box.intersect(need).numel
+        return self.bytes_total - kept
 
     def validate(self) -> None:
-        """Every element of every new box is covered once, from inside the source's old box."""
-        covered: dict[tuple[int, int], list[Box]] = {}
+        """Every element of every new box is covered once, from inside the source's old box: the
+        pieces of a new class are its intersections with the distinct old boxes, which must not
+        overlap and must fill it; every process of the new class gets each piece once, from a
+        process that holds the old class (or keeps a copy of it)."""
+        flows_of: dict[int, list[Flow]] = {}
+        for f in self.flows:
+            for t in f.tensors:
+                flows_of.setdefault(t, []).append(f)
         copies = set(self.copies)
-        for seg in self.segments:
-            assert not seg.box.empty, seg
-            assert seg.copy_of is None or (seg.src, seg.copy_of, seg.tensor) in copies, f"{seg}: no such copy"
-            source = self.source_box(seg)
-            target = self.new_boxes[seg.dst][seg.tensor]
-            assert source is not None and source.contains(seg.box), f"{seg} is not held by its source"
-            assert target is not None and target.contains(seg.box), f"{seg} is outside its destination"
-            covered.setdefault((seg.dst, seg.tensor), []).append(seg.box)
-        for rank, boxes in enumerate(self.new_boxes):
-            for index, box in enumerate(boxes):
-                pieces = covered.pop((rank, index), [])
-                if box is None or box.empty:
-                    assert not pieces
-                    continue
-                assert sum(p.numel for p in pieces) == box.numel, (
-                    f"{self.tensors[index].key} on rank {rank}: pieces cover "
-                    f"{sum(p.numel for p in pieces)} of {box.numel} elements"
-                )
-                for a, b in itertools.combinations(pieces, 2):
-                    assert a.intersect(b).empty, f"{self.tensors[index].key} on rank {rank}: {a} overlaps {b}"
-        assert not covered
+        for t, (old, new) in enumerate(zip(self.old_classes, self.new_classes)):
+            members = {b: np.flatnonzero(class_at(new.of_coord, self.placed) == b) for b in range(len(new.boxes))}
+            holders = class_at(old.of_coord, self.held)
+            got: dict[int, int] = {}
+            for f in flows_of.get(t, ()):
+                piece = old.boxes[f.a].intersect(new.boxes[f.b])
+                assert not piece.empty, (self.tensors[t].key, f.a, f.b)
+                assert np.array_equal(f.dst, members[f.b]), f"{self.tensors[t].key}: a piece misses or repeats a process"
+                own = f.copy_of == NOTHING
+                assert (holders[f.src[own]] == f.a).all(), f"{self.tensors[t].key}: a source does not hold its piece"
+                for src, of in zip(f.src[~own].tolist(), f.copy_of[~own].tolist()):
+                    assert (src, of, t) in copies and self.copied[(of, t)] == old.boxes[f.a], "no such copy"
+                got[f.b] = got.get(f.b, 0) + piece.numel
+            for b, box in enumerate(new.boxes):
+                if len(members[b]) and box is not None and not box.empty:
+                    assert got.get(b, 0) == box.numel, (
+                        f"{self.tensors[t].key}: pieces cover {got.get(b, 0)} of {box.numel} elements")
 
 
-Holder = tuple[int, "int | None"]  # (process, the lost process whose piece it keeps a copy of; None: its own)
+def _box(classes: TensorClasses, coord: int) -> Box | None:
+    return None if coord == NOTHING else classes.box(coord)
 
 
-def _replica_classes(boxes: list[tuple[Holder, Box]]) -> list[tuple[Box, list[Holder]]]:
-    """Group the holders of one tensor by identical box; distinct boxes must not overlap."""
-    classes: dict[Box, list[Holder]] = {}
-    for holder, box in boxes:
-        if not box.empty:
-            classes.setdefault(box, []).append(holder)
-    out = sorted(classes.items(), key=lambda item: item[0].offsets)
-    for (a, _), (b, _) in itertools.combinations(out, 2):
-        assert a.intersect(b).empty, f"old pieces {a} and {b} overlap without being replicas"
-    return out
+def _holdings(classes: Sequence[TensorClasses], coords: np.ndarray) -> Holdings:
+    columns = [[None if k == NOTHING else c.boxes[k] for k in class_at(c.of_coord, coords).tolist()] for c in classes]
+    return tuple(zip(*columns)) if columns else tuple(() for _ in coords)
 
 
-class _Sources:
-    """The holders of one old box of a tensor, asked in order: the destination itself (its own
-    piece, then a copy it keeps), then the holder asked for the fewest bytes so far (own pieces
-    before copies; ties to the lower process, then the earlier holder). A heap per kind keeps
-    that order as `sent` grows (entries are refreshed when found stale: `sent` only grows), so
-    choosing costs log(holders), not holders: a tensor replicated over a thousand ranks is
-    planned in time linear in the ranks."""
+def _state_bytes(tensors: Sequence[LogicalTensor], classes: Sequence[TensorClasses], coords: np.ndarray) -> int:
+    """Bytes the processes at `coords` hold in all, from the classes: each box times how many hold it."""
+    total, holders = 0, {}
+    for t, c in zip(tensors, classes):
+        key = id(c.of_coord)
+        if key not in holders:  # how many processes hold each class (the last entry: NOTHING)
+            holders[key] = np.bincount(class_at(c.of_coord, coords) + 1, minlength=len(c.boxes) + 1)[1:]
+        sizes = np.array([0 if b is None else b.numel for b in c.boxes], dtype=np.int64)
+        total += t.itemsize * int(sizes @ holders[key])
+    return total
 
-    def __init__(self, holders: list[Holder], sent: list[int]) -> None:
-        self.own = {h[0] for h in holders if h[1] is None}
-        self.copy_at: dict[int, int] = {}
-        for holder, of in holders:
-            if of is not None:
-                self.copy_at.setdefault(holder, of)
-        entries = [(sent[h[0]], h[0], i, h) for i, h in enumerate(holders)]
-        self.heaps = ([e for e in entries if e[3][1] is None], [e for e in entries if e[3][1] is not None])
-        for heap in self.heaps:
-            heapq.heapify(heap)
 
-    def pick(self, dst: int, sent: list[int]) -> Holder:
-        if dst in self.own:
-            return (dst, None)
-        if dst in self.copy_at:
-            return (dst, self.copy_at[dst])
-        for heap in self.heaps:
-            while heap:
-                count, rank, i, holder = heap[0]
-                if count == sent[rank]:
-                    return holder
-                heapq.heapreplace(heap, (sent[rank], rank, i, holder))
-        raise AssertionError("an old box without holders")
+class _Planner:
+    """The sources of every piece, chosen per flow (see `plan_transition`)."""
+
+    def __init__(self, tensors, old_classes, new_classes, original, placed, lost, copies) -> None:
+        self.tensors, self.old_classes, self.new_classes = tensors, old_classes, new_classes
+        self.original, self.placed, self.lost = original, placed, lost  # `original`: held before the crash
+        self.held = original.copy()
+        self.held[list(lost)] = NOTHING
+        self.sent = np.zeros(len(original), dtype=np.int64)
+        self.copies_of: dict[int, list[tuple[int, int]]] = {}  # tensor -> [(holder, of)]
+        for holder, of, t in copies:
+            self.copies_of.setdefault(t, []).append((holder, of))
+        self.patterns: dict[tuple[int, int], np.ndarray] = {}
+
+    def bundles(self) -> list[list[int]]:
+        """Tensors that plan alike: the same classes on both sides, the same pieces between them,
+        the same copies kept; in the order of their first tensor."""
+        out: dict[tuple, list[int]] = {}
+        for t, (a, b) in enumerate(zip(self.old_classes, self.new_classes)):
+            key = (id(a.of_coord), id(b.of_coord), self.pattern(a, b).tobytes(), tuple(self.copies_of.get(t, ())))
+            out.setdefault(key, []).append(t)
+        return list(out.values())
+
+    def pattern(self, a: TensorClasses, b: TensorClasses) -> np.ndarray:
+        """numel[old class, new class] of the intersections of the boxes (once per pair of box
+        lists: tensors of one shape share them)."""
+        key = (id(a.boxes), id(b.boxes))
+        if key not in self.patterns:
+            self.patterns[key] = np.array([[x.intersect(y).numel for y in b.boxes] for x in a.boxes],
+                                          dtype=np.int64).reshape(len(a.boxes), len(b.boxes))
+        return self.patterns[key]
+
+    def flows(self, bundle: list[int]) -> list[Flow]:
+        first_old, first_new = self.old_classes[bundle[0]], self.new_classes[bundle[0]]
+        old_of, new_of = class_at(first_old.of_coord, self.held), class_at(first_new.of_coord, self.placed)
+        weights = sum(self.tensors[t].itemsize * self.pattern(self.old_classes[t], self.new_classes[t]) for t in bundle)
+        copy_holders = self.copy_holders(bundle, first_old)
+        out = []
+        for a, b in zip(*np.nonzero(self.pattern(first_old, first_new))):
+            dst = np.flatnonzero(new_of == b)
+            if not len(dst):
+                continue
+            src, copy_of = self.sources(dst, np.flatnonzero(old_of == a), copy_holders.get(int(a), []), int(weights[a, b]))
+            if src is None:
+                self.refuse(bundle[0], int(b), int(dst[0]), old_of, copy_holders)
+            out.append(Flow(tuple(bundle), int(a), int(b), dst, src, copy_of, int(weights[a, b])))
+        return out
+
+    def copy_holders(self, bundle: list[int], old: TensorClasses) -> dict[int, list[tuple[int, int]]]:
+        """Old class -> (holder, lost process) for the copies of this bundle's lost pieces."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for holder, of in self.copies_of.get(bundle[0], ()):
+            out.setdefault(int(old.of_coord[self.original[of]]), []).append((holder, of))
+        return out
+
+    def sources(self, dst: np.ndarray, own: np.ndarray, copies: list[tuple[int, int]], nbytes: int):
+        """(src, copy_of) for every process of `dst`: itself when it holds the piece (or a copy of
+        it), else the holder asked for the fewest bytes so far (own pieces before copies; ties to the
+        lower process), taking the holders in turn. None when nobody holds the piece."""
+        src = np.full(len(dst), NOTHING)
+        copy_of = np.full(len(dst), NOTHING)
+        local = np.isin(dst, own)
+        src[local] = dst[local]
+        copy_at = {holder: of for holder, of in reversed(copies)}
+        for i in np.flatnonzero(~local):
+            if int(dst[i]) in copy_at:
+                src[i], copy_of[i] = dst[i], copy_at[int(dst[i])]
+        need = np.flatnonzero(src == NOTHING)
+        if not len(need):
+            return src, copy_of
+        if len(own):
+            holders, of = own, np.full(len(own), NOTHING)
+        elif copies:
+            holders, of = np.array([h for h, _ in copies]), np.array([o for _, o in copies])
+        else:
+            return None, None
+        order = np.lexsort((holders, self.sent[holders]))  # fewest bytes first, then the lower process
+        pick = order[np.arange(len(need)) % len(holders)]
+        src[need], copy_of[need] = holders[pick], of[pick]
+        np.add.at(self.sent, holders[pick], nbytes)
+        return src, copy_of
+
+    def refuse(self, t: int, b: int, dst: int, old_of: np.ndarray, copy_holders: dict) -> None:
+        need = self.new_classes[t].boxes[b]
+        pieces = self.pattern(self.old_classes[t], self.new_classes[t])[:, b]
+        missing = sum(int(pieces[a]) for a in range(len(pieces)) if not (old_of == a).any() and a not in copy_holders)
+        raise ValueError(
+            f"{self.tensors[t].key}: {missing} of the {need.numel} elements process {dst} needs are held by no "
+            f"surviving process (lost: {sorted(self.lost)}); they can only come from a checkpoint"
+        )
 
 
 def plan_transition(
@@ -344,6 +492,11 @@ def plan_transition(
     `copies`: (holder, of, tensor): process `holder` keeps a copy of process `of`'s old piece of
     `tensor` (`elastic.redundancy`); a lost process's piece may come from such a copy.
 
+    Planning works on classes of coordinates (`classes.py`): the pieces of a tensor are the
+    intersections of its old and new classes' boxes, and the sources of one piece are chosen for
+    every process of its new class at once, so the cost grows with the classes and the tensors,
+    and only linearly with the processes.
+
     Raises ValueError, before anything moves, if the state cannot take `layout`.
     """
     space.check(layout)
@@ -355,50 +508,27 @@ def plan_transition(
     if members is not None and len(members) != layout.world_size:
         raise ValueError(f"layout {layout} has {layout.world_size} ranks but the new world has {len(members)} processes")
     tensors = tuple(space.tensors)
-    old_classes, new_classes = all_classes(space, old.layout), all_classes(space, layout)
-    old_boxes = holdings_of(space, old, coord_holdings(space, old.layout, old_classes))
-    by_coord = coord_holdings(space, layout, new_classes)
+    old_classes, new_classes = tuple(all_classes(space, old.layout)), tuple(all_classes(space, layout))
     if ranks is not None:
         new = Assignment(layout, tuple(ranks), old.processes)
     else:
         new = choose_ranks(space, old, layout, members, old_classes, new_classes)
     if members is None and not increasing_on_every_axis(layout, new.ranks):
         raise ValueError(f"rank order {list(new.ranks)} runs backwards along an axis of {layout}; use one of `axis_orders`")
-    new_boxes = holdings_of(space, new, by_coord)
-    n = old.world
-    copied: dict[tuple[int, int], Box] = {}
-    copies = tuple(c for c in copies if c[1] in lost and c[0] not in lost and old_boxes[c[1]][c[2]] is not None)
-    extra: dict[int, list[tuple[Holder, Box]]] = {}
-    for holder, of, index in copies:
-        copied[(of, index)] = old_boxes[of][index]
-        extra.setdefault(index, []).append(((holder, of), old_boxes[of][index]))
-    if lost:
-        gone = (None,) * len(tensors)
-        old_boxes = tuple(gone if rank in lost else boxes for rank, boxes in enumerate(old_boxes))
-    sent = [0] * n
-    segments: list[Segment] = []
-    for index, tensor in enumerate(tensors):
-        own = [((r, None), old_boxes[r][index]) for r in range(n) if old_boxes[r][index] is not None]
-        classes = [(box, _Sources(holders, sent)) for box, holders in _replica_classes(own + extra.get(index, []))]
-        for dst in range(n):
-            need = new_boxes[dst][index]
-            if need is None or need.empty:
-                continue
-            covered = 0
-            for source_box, sources in classes:
-                piece = source_box.intersect(need)
-                if piece.empty:
-                    continue
-                src, copy_of = sources.pick(dst, sent)
-                if src != dst:
-                    sent[src] += piece.numel * tensor.itemsize
-                segments.append(Segment(index, src, dst, piece, copy_of))
-                covered += piece.numel
-            if covered != need.numel:
-                raise ValueError(
-                    f"{tensor.key}: {need.numel - covered} of the {need.numel} elements process {dst} needs are held "
-                    f"by no surviving process (lost: {sorted(lost)}); they can only come from a checkpoint"
-                )
-    plan = TransitionPlan(tensors, old, new, old_boxes, new_boxes, tuple(segments), copies, copied)
+    original, placed = _coords_of(old, old.world), _coords_of(new, old.world)
+    copies = tuple(c for c in copies if c[1] in lost and c[0] not in lost and original[c[1]] != NOTHING
+                   and old_classes[c[2]].of_coord[original[c[1]]] != NOTHING)
+    copied = {(of, t): old_classes[t].box(int(original[of])) for _, of, t in copies}
+    planner = _Planner(tensors, old_classes, new_classes, original, placed, lost, copies)
+    flows = [flow for bundle in planner.bundles() for flow in planner.flows(bundle)]
+    plan = TransitionPlan(tensors, old, new, old_classes, new_classes, planner.held, placed, tuple(flows), copies,
+                          copied)
     assert plan.bytes_moved == plan.bytes_lower_bound, (plan.bytes_moved, plan.bytes_lower_bound)
     return plan
+
+
+def _coords_of(assignment: Assignment, world: int) -> np.ndarray:
+    """int64[process]: the coordinate each process takes under `assignment` (NOTHING: none)."""
+    out = np.full(world, NOTHING)
+    out[list(assignment.ranks)] = np.arange(len(assignment.ranks))
+    return out
