@@ -100,6 +100,21 @@ def all_classes(space: StateSpace, layout: Layout) -> list[TensorClasses]:
     return [classes_of(space, layout, t, coords, cache) for t in space.tensors]
 
 
+class PieceSizes:
+    """numel[old class, new class]: the elements of each old box inside each new box of a tensor,
+    worked out once per pair of box lists (tensors of one shape and sharding share theirs)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, int], tuple[TensorClasses, TensorClasses, np.ndarray]] = {}
+
+    def __call__(self, old: TensorClasses, new: TensorClasses) -> np.ndarray:
+        key = (id(old.boxes), id(new.boxes))
+        if key not in self.cache:  # the classes are kept with the sizes, so the ids stay theirs
+            sizes = [[x.intersect(y).numel for y in new.boxes] for x in old.boxes]
+            self.cache[key] = (old, new, np.array(sizes, dtype=np.int64).reshape(len(old.boxes), len(new.boxes)))
+        return self.cache[key][2]
+
+
 class KeptBytes:
     """The bytes a process keeps in place if it takes a coordinate of the new layout, summed over
     tensors, from their classes under the old and the new layout.

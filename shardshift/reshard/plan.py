@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from shardshift.layout import Coord, Layout
-from shardshift.reshard.classes import NOTHING, KeptBytes, TensorClasses, all_classes, class_at
+from shardshift.reshard.classes import NOTHING, KeptBytes, PieceSizes, TensorClasses, all_classes, class_at
 from shardshift.reshard.space import Box, LogicalTensor, StateSpace
 
 Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
@@ -337,32 +337,44 @@ class TransitionPlan:
         return self.bytes_total - kept
 
     def validate(self) -> None:
-        """Every element of every new box is covered once, from inside the source's old box: the
-        pieces of a new class are its intersections with the distinct old boxes, which must not
-        overlap and must fill it; every process of the new class gets each piece once, from a
-        process that holds the old class (or keeps a copy of it)."""
-        flows_of: dict[int, list[Flow]] = {}
-        for f in self.flows:
-            for t in f.tensors:
-                flows_of.setdefault(t, []).append(f)
+        """Every element of every new box is covered once, from inside the source's old box.
+
+        The pieces of a new class are its intersections with the distinct old boxes: those must
+        not overlap and must fill it (checked once per pair of box lists); each process of the new
+        class gets each piece exactly once, from a process that holds the old class or keeps a copy
+        of that box (checked once per flow)."""
         copies = set(self.copies)
-        for t, (old, new) in enumerate(zip(self.old_classes, self.new_classes)):
-            members = {b: np.flatnonzero(class_at(new.of_coord, self.placed) == b) for b in range(len(new.boxes))}
-            holders = class_at(old.of_coord, self.held)
-            got: dict[int, int] = {}
-            for f in flows_of.get(t, ()):
-                piece = old.boxes[f.a].intersect(new.boxes[f.b])
-                assert not piece.empty, (self.tensors[t].key, f.a, f.b)
-                assert np.array_equal(f.dst, members[f.b]), f"{self.tensors[t].key}: a piece misses or repeats a process"
-                own = f.copy_of == NOTHING
-                assert (holders[f.src[own]] == f.a).all(), f"{self.tensors[t].key}: a source does not hold its piece"
+        pairs: dict[tuple[int, int], set[tuple[int, int]]] = {}  # flows per tensor, as (a, b)
+        for f in self.flows:
+            old, new = self.old_classes[f.tensors[0]], self.new_classes[f.tensors[0]]
+            assert np.array_equal(f.dst, np.flatnonzero(class_at(new.of_coord, self.placed) == f.b)), (
+                f"{self.tensors[f.tensors[0]].key}: a piece misses or repeats a process")
+            own = f.copy_of == NOTHING
+            assert (class_at(old.of_coord, self.held)[f.src[own]] == f.a).all(), (
+                f"{self.tensors[f.tensors[0]].key}: a source does not hold its piece")
+            for t in f.tensors:
+                pairs.setdefault(t, set()).add((f.a, f.b))
                 for src, of in zip(f.src[~own].tolist(), f.copy_of[~own].tolist()):
-                    assert (src, of, t) in copies and self.copied[(of, t)] == old.boxes[f.a], "no such copy"
-                got[f.b] = got.get(f.b, 0) + piece.numel
-            for b, box in enumerate(new.boxes):
-                if len(members[b]) and box is not None and not box.empty:
-                    assert got.get(b, 0) == box.numel, (
-                        f"{self.tensors[t].key}: pieces cover {got.get(b, 0)} of {box.numel} elements")
+                    assert (src, of, t) in copies and self.copied[(of, t)] == self.old_classes[t].boxes[f.a], "no such copy"
+        checked, pieces = set(), PieceSizes()
+        for t, (old, new) in enumerate(zip(self.old_classes, self.new_classes)):
+            taken = np.unique(class_at(new.of_coord, self.placed))
+            needed = {(int(a), int(b)) for a, b in zip(*np.nonzero(pieces(old, new))) if b in taken}
+            assert pairs.get(t, set()) == needed, f"{self.tensors[t].key}: pieces without a flow, or flows without one"
+            if (id(old.boxes), id(new.boxes)) not in checked:
+                checked.add((id(old.boxes), id(new.boxes)))
+                _check_cover(self.tensors[t], old.boxes, new.boxes, taken)
+
+
+def _check_cover(tensor: LogicalTensor, old: Sequence[Box], new: Sequence[Box], taken: np.ndarray) -> None:
+    """The distinct old boxes do not overlap, and fill every new box some process takes."""
+    for x, y in itertools.combinations(old, 2):
+        assert x == y or x.intersect(y).empty, f"{tensor.key}: old pieces {x} and {y} overlap without being replicas"
+    distinct = set(old)
+    for b in taken.tolist():
+        if b != NOTHING and new[b] is not None:
+            got = sum(x.intersect(new[b]).numel for x in distinct if x is not None)
+            assert got == new[b].numel, f"{tensor.key}: pieces cover {got} of {new[b].numel} elements"
 
 
 def _box(classes: TensorClasses, coord: int) -> Box | None:
@@ -398,7 +410,7 @@ class _Planner:
         self.copies_of: dict[int, list[tuple[int, int]]] = {}  # tensor -> [(holder, of)]
         for holder, of, t in copies:
             self.copies_of.setdefault(t, []).append((holder, of))
-        self.patterns: dict[tuple[int, int], np.ndarray] = {}
+        self.pattern = PieceSizes()
 
     def bundles(self) -> list[list[int]]:
         """Tensors that plan alike: the same classes on both sides, the same pieces between them,
@@ -408,15 +420,6 @@ class _Planner:
             key = (id(a.of_coord), id(b.of_coord), self.pattern(a, b).tobytes(), tuple(self.copies_of.get(t, ())))
             out.setdefault(key, []).append(t)
         return list(out.values())
-
-    def pattern(self, a: TensorClasses, b: TensorClasses) -> np.ndarray:
-        """numel[old class, new class] of the intersections of the boxes (once per pair of box
-        lists: tensors of one shape share them)."""
-        key = (id(a.boxes), id(b.boxes))
-        if key not in self.patterns:
-            self.patterns[key] = np.array([[x.intersect(y).numel for y in b.boxes] for x in a.boxes],
-                                          dtype=np.int64).reshape(len(a.boxes), len(b.boxes))
-        return self.patterns[key]
 
     def flows(self, bundle: list[int]) -> list[Flow]:
         first_old, first_new = self.old_classes[bundle[0]], self.new_classes[bundle[0]]
