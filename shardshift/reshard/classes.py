@@ -64,18 +64,18 @@ def classes_of(space: StateSpace, layout: Layout, tensor: LogicalTensor, coords:
     so a model of thousands of tensors evaluates `holding` once per kind of tensor and stage."""
     coords = coordinates(layout) if coords is None else coords
     cache = {} if cache is None else cache
-    base = Coord(*(0,) * len(AXES))
+    base, shape = Coord(*(0,) * len(AXES)), layout.shape
     sharding = space.sharding(layout, base, tensor)
     axes, moves = [], []
     for a, axis in enumerate(AXES):
-        if axis == "pp" or layout.shape[a] == 1:
+        if axis == "pp" or shape[a] == 1:
             continue
-        moved = space.sharding(layout, dataclasses.replace(base, **{axis: 1}), tensor).splits
+        moved = space.sharding(layout, Coord(*(int(i == a) for i in range(len(AXES)))), tensor).splits
         if moved != sharding.splits:
             axes.append(a)
             moves.append(tuple(i for i, (x, y) in enumerate(zip(moved, sharding.splits)) if x != y))
     signature = (tuple(axes), sharding.stage)
-    degrees = [layout.shape[a] for a in axes]
+    degrees = [shape[a] for a in axes]
     boxes_key = ("boxes", tensor.shape, sharding, tuple(moves), signature)
     if boxes_key not in cache:
         boxes = []
@@ -125,19 +125,19 @@ class KeptBytes:
     A process is named by the old coordinate it held (NOTHING: it held nothing)."""
 
     def __init__(self, tensors: Sequence[LogicalTensor], old: Sequence[TensorClasses],
-                 new: Sequence[TensorClasses]) -> None:
+                 new: Sequence[TensorClasses], pieces: PieceSizes | None = None) -> None:
+        pieces = PieceSizes() if pieces is None else pieces
         groups: dict[tuple, list] = {}
         for t, a, b in zip(tensors, old, new):
-            matrix = np.array([[t.itemsize * x.intersect(y).numel for y in b.boxes] for x in a.boxes], dtype=float)
-            group = groups.setdefault((a.signature, b.signature), [a.of_coord, b.of_coord, 0.0])
-            group[2] = group[2] + matrix
+            group = groups.setdefault((a.signature, b.signature), [a.of_coord, b.of_coord, 0])
+            group[2] = group[2] + t.itemsize * pieces(a, b)
         # Each matrix gets a last row and column of zeros: the class NOTHING (-1) indexes them.
         self.groups = [(a, b, np.pad(m, ((0, 1), (0, 1)))) for a, b, m in groups.values()]
 
     def matrix(self, held: Sequence[int], coords: Sequence[int]) -> np.ndarray:
         """kept[p, i] for the processes that held old coordinates `held` and new `coords`."""
         held, coords = np.asarray(held), np.asarray(coords)
-        kept = np.zeros((len(held), len(coords)))
+        kept = np.zeros((len(held), len(coords)), dtype=np.int64)
         for old_cls, new_cls, matrix in self.groups:
             kept += matrix[class_at(old_cls, held)[:, None], new_cls[coords][None, :]]
         return kept
@@ -146,12 +146,12 @@ class KeptBytes:
         """The bytes kept when new coordinate i goes to the process that held old coordinate
         ``held[i]``."""
         held = np.asarray(held)
-        return int(round(sum(m[class_at(a, held), b].sum() for a, b, m in self.groups)))
+        return int(sum(m[class_at(a, held), b].sum() for a, b, m in self.groups))
 
     def kept(self, held: np.ndarray, placed: np.ndarray) -> int:
         """The bytes kept in place when process p holds old coordinate ``held[p]`` and takes new
         coordinate ``placed[p]`` (either NOTHING: none)."""
         on = placed != NOTHING
-        return int(round(sum(m[class_at(a, held[on]), b[placed[on]]].sum() for a, b, m in self.groups)))
+        return int(sum(m[class_at(a, held[on]), b[placed[on]]].sum() for a, b, m in self.groups))
 
 

@@ -125,15 +125,13 @@ def axis_orders(layout: Layout) -> list[tuple[int, ...]]:
     (which uses the coordinate). Each order here comes from nesting the axes differently (any axis
     may be innermost); the identity comes first.
     """
-    shape = layout.shape
-    orders: list[tuple[int, ...]] = []
+    shape = [size for size in layout.shape if size > 1]  # axes of degree 1 nest anywhere alike
+    orders: dict[tuple[int, ...], None] = {}
     for perm in itertools.permutations(range(len(shape))):
         # Process rank of a coordinate: row-major over the axes taken in the order `perm`.
         ranks = np.arange(layout.world_size).reshape([shape[a] for a in perm]).transpose(np.argsort(perm))
-        order = tuple(int(r) for r in ranks.reshape(-1))
-        if order not in orders:
-            orders.append(order)
-    return orders
+        orders.setdefault(tuple(ranks.reshape(-1).tolist()), None)
+    return list(orders)
 
 
 def increasing_on_every_axis(layout: Layout, ranks: Sequence[int]) -> bool:
@@ -144,6 +142,7 @@ def increasing_on_every_axis(layout: Layout, ranks: Sequence[int]) -> bool:
 def choose_ranks(
     space: StateSpace, old: Assignment, layout: Layout, members: Sequence[int] | None = None,
     old_classes: Sequence[TensorClasses] | None = None, new_classes: Sequence[TensorClasses] | None = None,
+    pieces: PieceSizes | None = None,
 ) -> Assignment:
     """The placement of `layout` on the processes that keeps the most bytes where they are.
 
@@ -161,7 +160,7 @@ def choose_ranks(
     n = layout.world_size
     old_classes = all_classes(space, old.layout) if old_classes is None else old_classes
     new_classes = all_classes(space, layout) if new_classes is None else new_classes
-    kept = KeptBytes(space.tensors, old_classes, new_classes)
+    kept = KeptBytes(space.tensors, old_classes, new_classes, pieces)
     held = np.full(old.world, NOTHING)  # process -> the old coordinate it holds
     held[list(old.ranks)] = np.arange(len(old.ranks))
     processes = np.arange(n) if members is None else np.asarray(members)
@@ -234,6 +233,7 @@ class TransitionPlan:
     flows: tuple[Flow, ...]
     copies: PieceCopies = ()  # the copies of lost processes' pieces that survivors keep
     copied: dict[tuple[int, int], Box] = dataclasses.field(default_factory=dict)  # (of, tensor): the copied box
+    pieces: PieceSizes = dataclasses.field(default_factory=PieceSizes)  # shared with the planner
 
     def __post_init__(self) -> None:
         self.validate()
@@ -327,7 +327,7 @@ class TransitionPlan:
     def bytes_lower_bound(self) -> int:
         """Bytes that must move for this assignment: what each process needs and holds neither
         itself nor as a copy of a lost process's piece."""
-        kept = int(KeptBytes(self.tensors, self.old_classes, self.new_classes).kept(self.held, self.placed))
+        kept = int(KeptBytes(self.tensors, self.old_classes, self.new_classes, self.pieces).kept(self.held, self.placed))
         counted = set()
         for holder, of, tensor in self.copies:  # each distinct box once: distinct boxes are disjoint
             box, need = self.copied[(of, tensor)], self.new_box(holder, tensor)
@@ -356,14 +356,14 @@ class TransitionPlan:
                 pairs.setdefault(t, set()).add((f.a, f.b))
                 for src, of in zip(f.src[~own].tolist(), f.copy_of[~own].tolist()):
                     assert (src, of, t) in copies and self.copied[(of, t)] == self.old_classes[t].boxes[f.a], "no such copy"
-        checked, pieces = set(), PieceSizes()
+        needs: dict[tuple[int, ...], set[tuple[int, int]]] = {}  # per kind of tensor: the pieces someone takes
         for t, (old, new) in enumerate(zip(self.old_classes, self.new_classes)):
-            taken = np.unique(class_at(new.of_coord, self.placed))
-            needed = {(int(a), int(b)) for a, b in zip(*np.nonzero(pieces(old, new))) if b in taken}
-            assert pairs.get(t, set()) == needed, f"{self.tensors[t].key}: pieces without a flow, or flows without one"
-            if (id(old.boxes), id(new.boxes)) not in checked:
-                checked.add((id(old.boxes), id(new.boxes)))
+            key = (id(old.boxes), id(new.boxes), id(new.of_coord))
+            if key not in needs:
+                taken = np.unique(class_at(new.of_coord, self.placed))
+                needs[key] = {(int(a), int(b)) for a, b in zip(*np.nonzero(self.pieces(old, new))) if b in taken}
                 _check_cover(self.tensors[t], old.boxes, new.boxes, taken)
+            assert pairs.get(t, set()) == needs[key], f"{self.tensors[t].key}: pieces without a flow, or flows without one"
 
 
 def _check_cover(tensor: LogicalTensor, old: Sequence[Box], new: Sequence[Box], taken: np.ndarray) -> None:
@@ -401,7 +401,7 @@ def _state_bytes(tensors: Sequence[LogicalTensor], classes: Sequence[TensorClass
 class _Planner:
     """The sources of every piece, chosen per flow (see `plan_transition`)."""
 
-    def __init__(self, tensors, old_classes, new_classes, original, placed, lost, copies) -> None:
+    def __init__(self, tensors, old_classes, new_classes, original, placed, lost, copies, pieces) -> None:
         self.tensors, self.old_classes, self.new_classes = tensors, old_classes, new_classes
         self.original, self.placed, self.lost = original, placed, lost  # `original`: held before the crash
         self.held = original.copy()
@@ -410,7 +410,7 @@ class _Planner:
         self.copies_of: dict[int, list[tuple[int, int]]] = {}  # tensor -> [(holder, of)]
         for holder, of, t in copies:
             self.copies_of.setdefault(t, []).append((holder, of))
-        self.pattern = PieceSizes()
+        self.pattern = pieces
 
     def bundles(self) -> list[list[int]]:
         """Tensors that plan alike: the same classes on both sides, the same pieces between them,
@@ -510,22 +510,22 @@ def plan_transition(
         )
     if members is not None and len(members) != layout.world_size:
         raise ValueError(f"layout {layout} has {layout.world_size} ranks but the new world has {len(members)} processes")
-    tensors = tuple(space.tensors)
+    tensors, pieces = tuple(space.tensors), PieceSizes()
     old_classes, new_classes = tuple(all_classes(space, old.layout)), tuple(all_classes(space, layout))
     if ranks is not None:
         new = Assignment(layout, tuple(ranks), old.processes)
     else:
-        new = choose_ranks(space, old, layout, members, old_classes, new_classes)
+        new = choose_ranks(space, old, layout, members, old_classes, new_classes, pieces)
     if members is None and not increasing_on_every_axis(layout, new.ranks):
         raise ValueError(f"rank order {list(new.ranks)} runs backwards along an axis of {layout}; use one of `axis_orders`")
     original, placed = _coords_of(old, old.world), _coords_of(new, old.world)
     copies = tuple(c for c in copies if c[1] in lost and c[0] not in lost and original[c[1]] != NOTHING
                    and old_classes[c[2]].of_coord[original[c[1]]] != NOTHING)
     copied = {(of, t): old_classes[t].box(int(original[of])) for _, of, t in copies}
-    planner = _Planner(tensors, old_classes, new_classes, original, placed, lost, copies)
+    planner = _Planner(tensors, old_classes, new_classes, original, placed, lost, copies, pieces)
     flows = [flow for bundle in planner.bundles() for flow in planner.flows(bundle)]
     plan = TransitionPlan(tensors, old, new, old_classes, new_classes, planner.held, placed, tuple(flows), copies,
-                          copied)
+                          copied, pieces)
     assert plan.bytes_moved == plan.bytes_lower_bound, (plan.bytes_moved, plan.bytes_lower_bound)
     return plan
 
