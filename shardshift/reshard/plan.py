@@ -217,6 +217,12 @@ class Flow:
     copy_of: np.ndarray
     nbytes: int  # of the pieces of all `tensors`, per destination
 
+    @functools.cached_property
+    def message_ends(self) -> tuple[np.ndarray, np.ndarray]:
+        """(processes, how many of this flow's messages each sends or receives), local copies aside."""
+        moving = self.src != self.dst
+        return np.unique(np.concatenate([self.src[moving], self.dst[moving]]), return_counts=True)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TransitionPlan:
