@@ -20,6 +20,7 @@ _COMMANDS = (
     ("topo", "shardshift.cli.topo"),
     ("bench", "shardshift.cli.bench"),  # benchmarks that print ratios measured side by side in one run
     ("plot", "shardshift.cli.plot"),  # pictures of training runs from their --metrics files
+    ("simulate", "shardshift.cli.simulate"),  # switches of large models over many ranks, planned and timed
 )
 
 

@@ -64,13 +64,16 @@ def classes_of(space: StateSpace, layout: Layout, tensor: LogicalTensor, coords:
     so a model of thousands of tensors evaluates `holding` once per kind of tensor and stage."""
     coords = coordinates(layout) if coords is None else coords
     cache = {} if cache is None else cache
-    base, shape = Coord(*(0,) * len(AXES)), layout.shape
+    if "probes" not in cache:  # the first coordinate, and one step along each axis that has a degree
+        shape = layout.shape
+        cache["probes"] = (Coord(*(0,) * len(AXES)), shape, [
+            (a, Coord(*(int(i == a) for i in range(len(AXES))))) for a, axis in enumerate(AXES)
+            if axis != "pp" and shape[a] > 1])
+    base, shape, probes = cache["probes"]
     sharding = space.sharding(layout, base, tensor)
     axes, moves = [], []
-    for a, axis in enumerate(AXES):
-        if axis == "pp" or shape[a] == 1:
-            continue
-        moved = space.sharding(layout, Coord(*(int(i == a) for i in range(len(AXES)))), tensor).splits
+    for a, probe in probes:
+        moved = space.sharding(layout, probe, tensor).splits
         if moved != sharding.splits:
             axes.append(a)
             moves.append(tuple(i for i, (x, y) in enumerate(zip(moved, sharding.splits)) if x != y))

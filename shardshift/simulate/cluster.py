@@ -1,0 +1,197 @@
+"""An α–β model of a GPU cluster, and the time it predicts for a switch's schedule.
+
+The cluster is the topology YAML's ``preset: cluster`` (docs/topology.md): `hosts` hosts of
+`gpus_per_host` GPUs; inside a host every GPU reaches every other through the host's switch at
+`intra_bandwidth` each way (NVLink/NVSwitch class), each message paying `intra_latency`; between
+hosts a GPU uses one of the host's `nics_per_host` NICs (GPU g: NIC ``g * nics // gpus``) at
+`nic_bandwidth` each way, each message paying `latency`, the fabric above the NICs being
+non-blocking (a rail-optimised or full fat tree). Ranks are numbered host by host.
+
+A round of the schedule (`reshard.schedule`) takes, on this model, the longest of every GPU's
+and NIC's busy time: bytes ÷ bandwidth, in and out separately, plus one latency per message it
+sends or receives; local copies run at `copy_bandwidth` (HBM class by default). Rounds run one
+after another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from shardshift.units import parse_duration, parse_rate
+
+_RATES = ("intra_bandwidth", "nic_bandwidth", "copy_bandwidth")
+_TIMES = ("intra_latency", "latency")
+_TOPOLOGY_ONLY = ("hosts_per_leaf", "spines", "rails")  # shape the fabric, which the model takes as non-blocking
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    hosts: int = 1
+    gpus_per_host: int = 8
+    intra_bandwidth: float = 450e9  # bytes/s each way per GPU (NVLink class)
+    intra_latency: float = 2e-6
+    nics_per_host: int = 8
+    nic_bandwidth: float = 50e9  # bytes/s each way per NIC (400 Gbit/s)
+    latency: float = 5e-6
+    copy_bandwidth: float = 1e12  # bytes/s of a local copy (HBM class)
+    name: str = "cluster"
+
+    def __post_init__(self) -> None:
+        for field in ("hosts", "gpus_per_host", "nics_per_host"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"cluster {field}={value!r} must be an integer >= 1")
+        for field in _RATES:
+            if not getattr(self, field) > 0:
+                raise ValueError(f"cluster {field}={getattr(self, field)!r} must be > 0 bytes/s")
+        for field in _TIMES:
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"cluster {field}={getattr(self, field)!r} must be >= 0 seconds")
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.gpus_per_host
+
+    def host(self, ranks: np.ndarray) -> np.ndarray:
+        return np.asarray(ranks) // self.gpus_per_host
+
+    def nic(self, ranks: np.ndarray) -> np.ndarray:
+        """The NIC (numbered over the cluster) each rank's traffic to other hosts goes through."""
+        ranks = np.asarray(ranks)
+        return self.host(ranks) * self.nics_per_host + (ranks % self.gpus_per_host) * self.nics_per_host // self.gpus_per_host
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.hosts} host(s) x {self.gpus_per_host} GPUs, {self.intra_bandwidth / 1e9:g} GB/s "
+                f"in a host, {self.nics_per_host} x {self.nic_bandwidth * 8 / 1e9:g} Gbit/s NICs per host")
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """A `Cluster` from a topology YAML file of ``preset: cluster``."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read cluster file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"cluster file {path} is not valid YAML: {err}") from None
+    try:
+        return cluster_from_dict(data, path.stem)
+    except ValueError as err:
+        raise ValueError(f"cluster file {path}: {err}") from None
+
+
+def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:
+    if not isinstance(data, Mapping) or data.get("preset") != "cluster":
+        raise ValueError("a cluster is a topology of 'preset: cluster' (docs/topology.md)")
+    known = {f.name for f in dataclasses.fields(Cluster)} | set(_TOPOLOGY_ONLY) | {"preset"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; a cluster takes {', '.join(sorted(known - {'preset'}))}")
+    values = {k: v for k, v in data.items() if k not in _TOPOLOGY_ONLY and k != "preset"}
+    for key in _RATES:
+        if key in values:
+            values[key] = parse_rate(values[key])
+    for key in _TIMES:
+        if key in values:
+            values[key] = parse_duration(values[key])
+    values.setdefault("name", name)
+    return Cluster(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    seconds: float  # the whole switch
+    round_seconds: tuple[float, ...]
+    limit_seconds: float  # the most any one GPU or NIC must move, at its bandwidth: no schedule does better
+    intra_host_bytes: int
+    inter_host_bytes: int
+    busiest_nic_bytes: int  # in or out, the most of any NIC
+    busiest_gpu_bytes: int  # received by one GPU from others
+    copy_bytes: int  # local copies, the largest of any GPU
+
+
+def predict(schedule, cluster: Cluster) -> Prediction:
+    """The time `schedule` takes on `cluster` (module docstring), round by round."""
+    plan = schedule.plan
+    n = plan.world_size
+    if n > cluster.ranks:
+        raise ValueError(f"the switch involves {n} processes but {cluster.name} has {cluster.ranks} GPUs; "
+                         f"give a cluster of at least {n}")
+    nics = cluster.hosts * cluster.nics_per_host
+    rounds, totals = [], _Tally(n, nics)
+    for pieces in schedule.pieces:
+        tally, by_flow = _Tally(n, nics), {}
+        for piece in pieces:  # a flow's pieces in one round travel between the same processes: summed first
+            nbytes = piece.box.numel * plan.tensors[piece.tensor].itemsize
+            entry = by_flow.setdefault(id(piece.flow), [piece.flow, 0, 0, False])
+            entry[1] += nbytes
+            if nbytes >= schedule.direct_bytes:
+                entry[2] += 1
+            else:
+                entry[3] = True
+        for flow, nbytes, direct, packed in by_flow.values():
+            tally.add(flow, nbytes, cluster, direct, packed)
+        rounds.append(tally.seconds(cluster))
+        totals.merge(tally)
+    per_gpu_in = totals.intra_in / cluster.intra_bandwidth
+    limit = max(float(per_gpu_in.max(initial=0)), float(totals.nic_in.max(initial=0)) / cluster.nic_bandwidth,
+                float(totals.nic_out.max(initial=0)) / cluster.nic_bandwidth)
+    return Prediction(
+        seconds=float(sum(rounds)), round_seconds=tuple(rounds), limit_seconds=limit,
+        intra_host_bytes=int(totals.intra_in.sum()), inter_host_bytes=int(totals.nic_in.sum()),
+        busiest_nic_bytes=int(max(totals.nic_in.max(initial=0), totals.nic_out.max(initial=0))),
+        busiest_gpu_bytes=int(plan.received.max(initial=0)), copy_bytes=int(totals.copies.max(initial=0)),
+    )
+
+
+class _Tally:
+    """Bytes and messages per GPU and per NIC, in and out (one round, or the whole switch)."""
+
+    def __init__(self, n: int, nics: int) -> None:
+        self.n = n
+        self.intra_in, self.intra_out, self.copies = (np.zeros(n) for _ in range(3))
+        self.messages, self.remote_messages = np.zeros(n), np.zeros(n)  # ends of messages, by where the peer is
+        self.nic_in, self.nic_out = np.zeros(nics), np.zeros(nics)
+        self.packed: list[np.ndarray] = []  # pairs (src * n + dst) of small segments, packed one message a pair
+
+    def add(self, flow, nbytes: int, cluster: Cluster, direct: int, packed: bool) -> None:
+        """A flow's pieces of one round: `nbytes` per destination, `direct` of them in messages of
+        their own, the others (if `packed`) in the one message between each pair."""
+        local = flow.src == flow.dst
+        np.add.at(self.copies, flow.dst[local], nbytes)
+        src, dst = flow.src[~local], flow.dst[~local]
+        same = cluster.host(src) == cluster.host(dst)
+        np.add.at(self.intra_in, dst[same], nbytes)
+        np.add.at(self.intra_out, src[same], nbytes)
+        np.add.at(self.nic_in, cluster.nic(dst[~same]), nbytes)
+        np.add.at(self.nic_out, cluster.nic(src[~same]), nbytes)
+        if direct:
+            self._count(src, dst, same, direct)
+        if packed:
+            self.packed.append(src * self.n + dst)
+
+    def _count(self, src: np.ndarray, dst: np.ndarray, same: np.ndarray, times: int = 1) -> None:
+        np.add.at(self.messages, np.concatenate([src[same], dst[same]]), times)
+        np.add.at(self.remote_messages, np.concatenate([src[~same], dst[~same]]), times)
+
+    def merge(self, other: "_Tally") -> None:
+        for name in ("intra_in", "intra_out", "copies", "messages", "remote_messages", "nic_in", "nic_out"):
+            getattr(self, name)[...] += getattr(other, name)
+
+    def seconds(self, cluster: Cluster) -> float:
+        if self.packed:
+            pairs = np.unique(np.concatenate(self.packed))
+            src, dst = pairs // self.n, pairs % self.n
+            self._count(src, dst, cluster.host(src) == cluster.host(dst))
+            self.packed = []
+        gpu = (np.maximum(self.intra_in, self.intra_out) / cluster.intra_bandwidth
+               + self.messages * cluster.intra_latency + self.remote_messages * cluster.latency
+               + self.copies / cluster.copy_bandwidth)
+        nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
+        return float(max(gpu.max(initial=0), nic.max(initial=0)))

@@ -1,0 +1,139 @@
+"""`shardshift simulate switch`: the plan and schedule of a real switch, at any size, timed on an α–β
+cluster model; large plans validated like small ones on sampled tensors and ranks; refusals before
+planning."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardshift.cli.main import main
+from shardshift.layout import Layout
+from shardshift.reshard.plan import Assignment, plan_transition
+from shardshift.reshard.schedule import build_schedule
+from shardshift.simulate.cluster import Cluster, cluster_from_dict, load_cluster
+from shardshift.simulate.space import SpecSpace
+from shardshift.simulate.specs import ModelSpec
+from shardshift.simulate.switch import model_space, simulate_switch
+from shardshift.train.config import TrainConfig
+from shardshift.train.model import PRESETS
+from shardshift.train.space import gpt_space
+
+ROOT = Path(__file__).resolve().parents[2]
+# A mixture-of-experts model small enough to list every segment of a 256-rank switch.
+MOE = SpecSpace(ModelSpec(name="small-moe", hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=4, intermediate_size=96, vocab_size=100, num_experts=16,
+                          num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True))
+
+
+@pytest.mark.parametrize("old, new", [("dp=4", "fsdp=4"), ("fsdp=2,tp=2", "tp=2,pp=2"), ("pp=4", "dp=2,fsdp=2")])
+def test_a_simulated_four_rank_switch_is_the_plan_and_schedule_a_real_switch_runs(old, new):
+    cfg = TrainConfig(layout=Layout.parse(old), model=PRESETS["test"], model_name="test", steps=1)
+    real = plan_transition(gpt_space(cfg.model, cfg.param_dtype), Assignment.identity(cfg.layout), Layout.parse(new))
+    sim = simulate_switch(model_space("test"), cfg.layout, Layout.parse(new), Cluster(hosts=1, gpus_per_host=4))
+    assert sim.plan.segments == real.segments and sim.plan.new == real.new
+    assert sim.schedule.rounds == build_schedule(real).rounds
+    report = sim.report()
+    assert report["bytes_moved"] == report["bytes_lower_bound"] == real.bytes_moved
+    assert report["bytes_kept"] == real.bytes_kept and report["rounds"] == len(sim.schedule.rounds)
+
+
+def _check_sampled(plan, tensors) -> None:
+    """Brute force on some tensors: every process's new box is tiled exactly by its segments, each
+    inside its source's old box."""
+    for t in tensors:
+        segs = [s for s in plan.segments if s.tensor == t]
+        for rank in range(plan.world_size):
+            need = plan.new_box(rank, t)
+            mine = [s for s in segs if s.dst == rank]
+            if need is None or need.empty:
+                assert not mine
+                continue
+            assert sum(s.box.numel for s in mine) == need.numel
+            for i, s in enumerate(mine):
+                assert need.contains(s.box) and plan.source_box(s).contains(s.box)
+                assert all(s.box.intersect(o.box).empty for o in mine[i + 1:])
+
+
+@pytest.mark.parametrize("old, new", [("dp=2,fsdp=2,ep=8,tp=4,pp=2", "dp=4,ep=4,tp=4,pp=4"),
+                                      ("fsdp=4,ep=16,tp=2,pp=2", "dp=2,fsdp=2,ep=8,tp=4,pp=2")])
+def test_a_256_rank_moe_switch_is_valid_on_sampled_tensors_and_ranks(old, new):
+    plan = plan_transition(MOE, Assignment.identity(Layout.parse(old)), Layout.parse(new))
+    rng = random.Random(0)
+    _check_sampled(plan, rng.sample(range(len(plan.tensors)), 12))
+    schedule = build_schedule(plan, 64 << 10, validate=False)
+    schedule.validate(ranks=rng.sample(range(plan.world_size), 8))  # the budget rule, rank by rank
+    assert len(schedule.pieces) > 1 and plan.bytes_moved == plan.bytes_lower_bound > 0
+
+
+def test_the_alpha_beta_model_times_a_round_by_its_busiest_gpu_and_nic():
+    # Two hosts of two GPUs: fsdp=4 -> dp=4 sends each quarter to the three others, two of them
+    # on the other host through one NIC per host.
+    cluster = Cluster(hosts=2, gpus_per_host=2, nics_per_host=1, intra_bandwidth=4e9, nic_bandwidth=1e9,
+                      intra_latency=0.0, latency=0.0, copy_bandwidth=1e18)
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    sim = simulate_switch(space, Layout(fsdp=4), Layout(dp=4), cluster, budget=1 << 40)
+    quarter = sim.plan.received[0] // 3  # a rank's quarter of the state, arriving from each of 3 peers
+    assert len(sim.schedule.pieces) == 1
+    # Each NIC carries 2 GPUs x 2 remote quarters out: 4 quarters at 1 GB/s, the slowest resource.
+    assert sim.prediction.busiest_nic_bytes == pytest.approx(4 * quarter, rel=0.01)
+    assert sim.prediction.seconds == pytest.approx(4 * quarter / 1e9, rel=0.01)
+    assert sim.report()["inter_host_bytes"] == pytest.approx(8 * quarter, rel=0.01)
+
+
+def test_the_shipped_cluster_file_reads_as_the_topology_preset():
+    cluster = load_cluster(ROOT / "docs/topologies/cluster-dynatrain.yaml")
+    assert (cluster.ranks, cluster.nics_per_host, cluster.nic_bandwidth) == (512, 8, 50e9)
+    assert list(cluster.nic(np.arange(8, 12))) == [8, 9, 10, 11]
+    with pytest.raises(ValueError, match="unknown key.*gpus"):
+        cluster_from_dict({"preset": "cluster", "gpus": 8})
+    with pytest.raises(ValueError, match="preset: cluster"):
+        cluster_from_dict({"preset": "fat-tree", "hosts": 4})
+
+
+def _simulate(capsys, *args) -> tuple[int, str, str]:
+    code = main(["simulate", "switch", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_reports_every_figure_as_json(capsys):
+    code, out, _ = _simulate(capsys, "--model", "llama3-70b", "--ranks", "256", "--from", "fsdp=4,tp=8,pp=8",
+                             "--to", "dp=2,fsdp=2,tp=8,pp=8", "--json")
+    assert code == 0
+    report = json.loads(out)
+    for key in ("bytes_moved", "bytes_kept", "bytes_lower_bound", "rounds", "peak_extra_bytes", "busiest_nic_bytes",
+                "predicted_seconds", "plan_seconds", "schedule_seconds", "max_rss_bytes"):
+        assert key in report, key
+    assert report["bytes_moved"] == report["bytes_lower_bound"] > 0 and report["predicted_seconds"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-70b", "--ranks", "16", "--from", "tp=16", "--to", "fsdp=16"], "--from tp=16: tp=16 does not divide"),
+    (["--model", "qwen3-235b-a22b", "--ranks", "48", "--from", "ep=48", "--to", "dp=48"], "ep=48"),
+    (["--model", "llama3-70b", "--ranks", "8", "--from", "ep=8", "--to", "dp=8"], "ep"),
+    (["--model", "llama3-70b", "--ranks", "8", "--from", "fsdp=8", "--to", "dp=8", "--memory-per-rank", "141G"],
+     "--to dp=8: .* of state on its busiest rank"),
+    (["--model", "llama3-70b", "--ranks", "8", "--from", "fsdp=4", "--to", "dp=8"], "--from fsdp=4 has 4 ranks"),
+    (["--model", "gpt-9", "--ranks", "4", "--from", "dp=4", "--to", "fsdp=4"], "gpt-9"),
+])
+def test_impossible_switches_are_refused_before_planning(capsys, args, message):
+    code, out, err = _simulate(capsys, *args)
+    assert code == 2 and not out
+    assert re.search(message, err), err
+
+
+def test_a_bfloat16_state_keeps_about_half_the_bytes():
+    sizes = []
+    for dtype in ("float32", "bfloat16"):
+        sim = simulate_switch(model_space("tiny", dtype), Layout(dp=4), Layout(fsdp=4), Cluster(hosts=1, gpus_per_host=4))
+        sizes.append(sim.plan.bytes_kept)
+    assert model_space("tiny", "bfloat16").tensors[0].dtype == torch.bfloat16
+    assert 0.45 * sizes[0] < sizes[1] < 0.6 * sizes[0]  # steps, progress and RNG keep their dtypes
