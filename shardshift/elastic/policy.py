@@ -43,9 +43,9 @@ import torch
 
 from shardshift.layout import Layout, all_layouts
 from shardshift.reshard.plan import Assignment, holdings_of
-from shardshift.train.config import DTYPES, TrainConfig
-from shardshift.train.model import ModelConfig
-from shardshift.train.space import MOMENTS, gpt_space, stage_blocks, uses_fsdp
+from shardshift.train.config import TrainConfig, torch_dtype
+from shardshift.train.presets import ModelConfig, stage_blocks
+from shardshift.train.space import MOMENTS, gpt_space, uses_fsdp
 from shardshift.units import format_size
 
 ACTIVATION_VALUES = 16  # values of width d_model a layer keeps per token for its backward (estimate)
@@ -137,7 +137,7 @@ def activation_bytes(cfg: TrainConfig, layout: Layout) -> tuple[int, ...]:
     cfg = cfg.with_layout(layout)
     m, mc = _micro_batches(cfg, layout), cfg.model
     micro = _local_batch(cfg, layout) // m
-    itemsize = DTYPES[cfg.dtype].itemsize
+    itemsize = torch_dtype(cfg.dtype).itemsize
     out = []
     for stage, blocks in enumerate(stage_blocks(mc.n_layer, layout.pp)):
         tokens = min(layout.pp - stage, m) * micro * mc.seq_len
@@ -173,7 +173,7 @@ def step_features(cfg: TrainConfig, layout: Layout) -> StepFeatures:
     piece = max(params for params, _ in _held(mc, cfg.param_dtype, layout))  # a rank's own shard
     tp_piece = max(params for params, _ in _held(mc, cfg.param_dtype, Layout(tp=tp, pp=pp)))  # before FSDP
     tokens = _local_batch(cfg, layout) * mc.seq_len
-    activation = tokens * mc.d_model * DTYPES[cfg.dtype].itemsize  # the local batch's hidden states
+    activation = tokens * mc.d_model * torch_dtype(cfg.dtype).itemsize  # the local batch's hidden states
     layers = len(stage_blocks(mc.n_layer, pp)[0])  # the first stage is the longest
     units = layers + 1  # FSDP units: every block, and the stage root
     fsdp_calls = 3 if pp == 1 else 2  # all-gather forward (and backward), reduce-scatter

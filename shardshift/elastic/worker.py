@@ -68,8 +68,8 @@ from shardshift.train import checkpoint
 from shardshift.train.catalog import checkpoints
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
-from shardshift.train.model import ModelConfig
 from shardshift.train.parallelize import build_parallel, forget_old_meshes
+from shardshift.train.presets import ModelConfig
 from shardshift.train.run import (
     Metrics,
     RunFailed,

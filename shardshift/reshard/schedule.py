@@ -6,7 +6,7 @@ closed by keeping the executor's own account of each process's memory (`build_sc
 segments larger than a quarter of the budget are first cut along their outermost dims.
 
 **Order.** Tensors are taken one after another, and rounds are filled greedily in that order, so a
-tensor's pieces occupy a run of consecutive rounds. The unit of filling is a `Piece`: one tensor's
+tensor's pieces occupy a run of consecutive rounds. The unit of filling is a `FlowPiece`: one tensor's
 part of a flow of the plan (every destination of the flow gets the same box, each from its
 source), cut to a quarter of the budget at most; its cost is counted for every process it touches
 at once, so a schedule is built for thousands of processes without listing their segments. The executor allocates a tensor's new piece
@@ -50,7 +50,7 @@ class Round:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Piece:
+class FlowPiece:
     """`box` of tensor `tensor` for every destination of `flow`, each from its source."""
 
     flow: Flow
@@ -84,7 +84,7 @@ def align(n: int) -> int:
 class SwitchSchedule:
     plan: TransitionPlan
     budget: int
-    pieces: tuple[tuple[Piece, ...], ...]  # per round
+    pieces: tuple[tuple[FlowPiece, ...], ...]  # per round
     peaks: np.ndarray  # int64[process]: the most bytes above its old state each holds, per the builder's account
 
     @functools.cached_property
@@ -236,8 +236,8 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET, validate:
         for t in flow.tensors:
             flows_of.setdefault(t, []).append(flow)
 
-    rounds: list[tuple[Piece, ...]] = []
-    current: list[Piece] = []
+    rounds: list[tuple[FlowPiece, ...]] = []
+    current: list[FlowPiece] = []
     level = np.zeros(n, dtype=np.int64)  # bytes above the old state held at the start of the current round
     opened, buffers, freeing = (np.zeros(n, dtype=np.int64) for _ in range(3))  # within the current round
     peaks = np.zeros(n, dtype=np.int64)
@@ -268,7 +268,7 @@ def build_schedule(plan: TransitionPlan, budget: int = DEFAULT_BUDGET, validate:
                     started.add(t)
                     opened[holders] += new_bytes
                 buffers[ends] += times * nbytes
-                current.append(Piece(flow, t, part))
+                current.append(FlowPiece(flow, t, part))
         old_holders, old_bytes = sizes.old_holders(t)
         freeing[old_holders] += old_bytes  # the tensor is done: its old pieces go at the end of this round
     if current:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Protocol, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from shardshift.layout import Coord, Layout
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)

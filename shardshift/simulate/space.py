@@ -35,7 +35,8 @@ from shardshift.layout import Coord, Layout, divisors
 from shardshift.reshard.classes import all_classes
 from shardshift.reshard.space import LogicalTensor, Sharding, Split, StateSpace
 from shardshift.simulate.specs import ModelSpec
-from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, RNG_STATE_BYTES, _block_stage, uses_fsdp
+from shardshift.train.presets import block_stages
+from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, RNG_STATE_BYTES, uses_fsdp
 from shardshift.units import format_size, parse_size
 
 # Parameter (within a layer, or at the top) -> the splits of its piece before FSDP's: (axis, dim) each.
@@ -111,7 +112,7 @@ class SpecSpace:
             return 0
         if layer == self.spec.num_hidden_layers:
             return pp - 1
-        return _block_stage(self.spec.num_hidden_layers, pp)[layer]
+        return block_stages(self.spec.num_hidden_layers, pp)[layer]
 
     def sharding(self, layout: Layout, coord: Coord, tensor: LogicalTensor) -> Sharding:
         if tensor.kind in ("progress", "rng"):

@@ -19,21 +19,21 @@ from shardshift.simulate.cluster import Cluster, Prediction, predict
 
 
 def model_space(model: str, dtype: str = "float32"):
-    """The state space of `model`: a shipped GPT size (`train.model.PRESETS`), a shipped spec
+    """The state space of `model`: a shipped GPT size (`train.presets.PRESETS`), a shipped spec
     (`simulate.specs`) or a config file (YAML, or a Hugging Face config.json)."""
-    from shardshift.train.config import DTYPES
-    from shardshift.train.model import PRESETS
+    from shardshift.train.config import DTYPES, torch_dtype
+    from shardshift.train.presets import PRESETS
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     if model in PRESETS:
         from shardshift.train.space import GPTSpace
 
-        return GPTSpace(PRESETS[model], DTYPES[dtype])
+        return GPTSpace(PRESETS[model], torch_dtype(dtype))
     from shardshift.simulate.space import SpecSpace
     from shardshift.simulate.specs import load_spec
 
-    return SpecSpace(load_spec(model), DTYPES[dtype])
+    return SpecSpace(load_spec(model), torch_dtype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)

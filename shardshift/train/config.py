@@ -6,16 +6,25 @@ import contextlib
 import dataclasses
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardshift.layout import Layout
 from shardshift.reshard.schedule import DEFAULT_BUDGET, MIN_BUDGET
 from shardshift.train.data import data_slice
-from shardshift.train.model import PRESETS, ModelConfig
-from shardshift.train.space import check_layout
+from shardshift.train.presets import PRESETS, ModelConfig, check_layout
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "float64", "bfloat16")  # the --dtype names, each a torch dtype's (`torch_dtype`)
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype `name` of `DTYPES` stands for (torch is imported here, not by the module: a
+    launcher checks a configuration without it)."""
+    import torch
+
+    return getattr(torch, name)
 COLLECTIVES = ("gloo", "trees")  # `TrainConfig.collectives`
 
 
@@ -189,14 +198,16 @@ class TrainConfig:
                 )
 
     @property
-    def param_dtype(self) -> torch.dtype:
+    def param_dtype(self) -> "torch.dtype":
         """Dtype of parameters and optimizer state. Under ``bfloat16`` they stay float32 (master
         weights) and the forward and backward compute in bfloat16 under autocast."""
-        return torch.float32 if self.dtype == "bfloat16" else DTYPES[self.dtype]
+        return torch_dtype("float32" if self.dtype == "bfloat16" else self.dtype)
 
     def autocast(self, device_type: str):
         """The context the forward runs in: bfloat16 autocast, or nothing."""
         if self.dtype == "bfloat16":
+            import torch
+
             return torch.autocast(device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

@@ -32,8 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.layout import Coord, Layout
 from shardshift.reshard.plan import increasing_on_every_axis
-from shardshift.train.model import GPT, ModelConfig, init_value
-from shardshift.train.space import TP_STYLES, stage_blocks, uses_fsdp
+from shardshift.train.model import GPT, init_value
+from shardshift.train.presets import ModelConfig, stage_blocks
+from shardshift.train.space import TP_STYLES, uses_fsdp
 
 # Module (relative to a block) -> its tensor-parallel style, from the pure statement in `state.py`.
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -21,8 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardshift.train.catalog import Manifest, choose
-from shardshift.train.config import DTYPES
-from shardshift.train.model import GPT, ModelConfig
+from shardshift.train.config import torch_dtype
+from shardshift.train.model import GPT
+from shardshift.train.presets import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ def load_model(where: str) -> tuple[GPT, Path, Manifest]:
     choice = choose(where, run=None)
     manifest = choice.manifest
     cfg = ModelConfig(**manifest.run.model_config)
-    dtype = torch.float32 if manifest.run.dtype == "bfloat16" else DTYPES[manifest.run.dtype]
+    dtype = torch_dtype("float32" if manifest.run.dtype == "bfloat16" else manifest.run.dtype)
     model = GPT(cfg).to(dtype)
     state = {f"param:{name}": param.detach() for name, param in model.named_parameters()}
     with warnings.catch_warnings():  # DCP says it is loading in one process, as it is meant to here

@@ -25,7 +25,8 @@ import torch
 
 from shardshift.layout import Coord, Layout
 from shardshift.reshard.space import LogicalTensor, Sharding, Split
-from shardshift.train.model import GPT, ModelConfig
+from shardshift.train.model import GPT
+from shardshift.train.presets import ModelConfig, block_stages, check_layout
 
 # Linear module (relative to a block) -> its tensor-parallel style.
 TP_STYLES = {
@@ -41,39 +42,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 RNG_STATE_BYTES = torch.get_rng_state().numel()
 PROGRESS_KEY = "progress:train"  # [optimizer steps taken, samples of the data stream consumed]
 RNG_KEY = "rng:cpu"  # the CPU generator's state
-
-
-def stage_blocks(n_layer: int, pp: int) -> list[range]:
-    """Block indices of each pipeline stage: contiguous, the first ``n_layer % pp`` stages one longer."""
-    base, extra = divmod(n_layer, pp)
-    out, start = [], 0
-    for stage in range(pp):
-        stop = start + base + (1 if stage < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
-
-
-def check_layout(layout: Layout, cfg: ModelConfig) -> None:
-    """Refuse a layout this model cannot take, saying which constraint failed and what would do."""
-    if layout.ep > 1:
-        raise ValueError(
-            f"ep={layout.ep}: the GPT has no experts to split; ep is for planning mixture-of-experts "
-            f"models with `shardshift simulate` (train with ep=1)"
-        )
-    if layout.tp > 1:
-        for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
-            if size % layout.tp:
-                valid = [t for t in range(1, cfg.n_head + 1) if cfg.n_head % t == 0 and cfg.d_ff % t == 0]
-                raise ValueError(
-                    f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                    f"{{{', '.join(map(str, valid))}}}"
-                )
-    if layout.pp > cfg.n_layer:
-        raise ValueError(
-            f"pp={layout.pp} is larger than the number of layers n_layer={cfg.n_layer}; "
-            f"choose pp <= {cfg.n_layer}"
-        )
 
 
 def uses_fsdp(layout: Layout) -> bool:
@@ -116,7 +84,7 @@ class GPTSpace:
     def stage_of(self, fqn: str, pp: int) -> int:
         parts = fqn.split(".")
         if parts[0] == "blocks":
-            return _block_stage(self.cfg.n_layer, pp)[int(parts[1])]
+            return block_stages(self.cfg.n_layer, pp)[int(parts[1])]
         return 0 if parts[0] in ("tok_emb", "pos_emb") else pp - 1
 
     def sharding(self, layout: Layout, coord: Coord, tensor: LogicalTensor) -> Sharding:
@@ -136,11 +104,6 @@ class GPTSpace:
         if uses_fsdp(layout):
             splits.append(Split(0, layout.fsdp, coord.fsdp))
         return Sharding(stage=stage, splits=tuple(splits))
-
-
-@functools.lru_cache(maxsize=64)
-def _block_stage(n_layer: int, pp: int) -> tuple[int, ...]:
-    return tuple(stage for stage, blocks in enumerate(stage_blocks(n_layer, pp)) for _ in blocks)
 
 
 def _tp_style(fqn: str) -> str | None:

@@ -120,6 +120,20 @@ def test_the_command_line_parses_without_importing_torch(budget):
     assert run.stdout.strip() == "[]", run.stdout
 
 
+def test_the_launcher_checks_a_run_and_starts_its_ranks_without_torch(budget):
+    """Importing torch takes the launcher more than a second of CPU before any rank starts, and
+    every rank imports it anyway: the launcher's checks (configuration, data, checkpoints) and its
+    start of the ranks must not need it. The ranks are replaced by a stand-in that only exits."""
+    code = ("import sys; from shardshift import launch; from shardshift.cli.main import main; "
+            "launch.launch = lambda *a, **k: 0; "
+            "code = main(['train', '--nproc', '4', '--layout', 'fsdp=2,pp=2', '--model', 'test', '--steps', '3', "
+            "'--switch', '2:dp=4']); "
+            "print(code, sorted(m for m in sys.modules if m == 'torch' or m.startswith('scipy')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=budget.left())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "0 []", run.stdout
+
+
 def test_a_local_job_listens_on_loopback_only(tmp_path, budget):
     with _training(tmp_path, until_step=2) as (launcher, ranks):
         sockets = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout.splitlines()

@@ -12,7 +12,7 @@ from shardshift.elastic.config import ElasticConfig
 from shardshift.elastic.worker import plan_change
 from shardshift.layout import Layout
 from shardshift.train.config import TrainConfig
-from shardshift.train.model import ModelConfig
+from shardshift.train.presets import ModelConfig
 
 SMALL = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
 
@@ -78,4 +78,5 @@ def test_a_change_planned_ahead_is_the_change_planned_at_the_boundary(leaving, j
     finally:
         ahead.close()
     assert planned.placement == now.placement and planned.epoch == now.epoch
-    assert planned.plan == now.plan and planned.plan is not now.plan  # worked out twice, alike
+    assert planned.plan is not now.plan  # worked out twice, alike:
+    assert planned.plan.segments == now.plan.segments and planned.plan.new == now.plan.new

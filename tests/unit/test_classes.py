@@ -13,7 +13,7 @@ from shardshift.layout import Layout, all_layouts
 from shardshift.reshard.classes import NOTHING, KeptBytes, all_classes, classes_of
 from shardshift.reshard.plan import Assignment, choose_ranks, coord_holdings
 from shardshift.reshard.space import holding
-from shardshift.train.model import ModelConfig
+from shardshift.train.presets import ModelConfig
 from shardshift.train.space import GPTSpace
 
 # Uneven on purpose: 5 layers over pp=2 and pp=4, 13 positions over fsdp=4, 6 heads over tp=2 and tp=3.

@@ -6,7 +6,7 @@ import pytest
 
 from shardshift.layout import AXES, Layout, all_layouts
 from shardshift.train.config import TrainConfig, model_config
-from shardshift.train.space import check_layout, stage_blocks
+from shardshift.train.presets import check_layout, stage_blocks
 
 
 def test_parse_and_print_round_trip():

@@ -22,7 +22,7 @@ from shardshift.elastic.policy import (
 )
 from shardshift.layout import Layout, all_layouts
 from shardshift.train.config import TrainConfig, model_config
-from shardshift.train.model import ModelConfig
+from shardshift.train.presets import ModelConfig
 from shardshift.train.space import GPTSpace
 
 SMALL = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)

@@ -28,7 +28,7 @@ from shardshift.reshard.plan import (
 )
 from shardshift.reshard.schedule import build_schedule
 from shardshift.reshard.space import Box, Split, chunk_range
-from shardshift.train.model import ModelConfig
+from shardshift.train.presets import ModelConfig
 from shardshift.train.space import GPTSpace
 
 

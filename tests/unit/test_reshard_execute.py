@@ -16,7 +16,7 @@ from shardshift.reshard.execute import compile_program, run_program
 from shardshift.reshard.plan import Assignment, holdings_of, plan_transition
 from shardshift.reshard.schedule import ALIGN, build_schedule
 from shardshift.reshard.space import Box
-from shardshift.train.model import ModelConfig
+from shardshift.train.presets import ModelConfig
 from shardshift.train.space import GPTSpace
 from support.local_group import LocalGroup, run_ranks
 

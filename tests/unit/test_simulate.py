@@ -22,7 +22,7 @@ from shardshift.simulate.space import SpecSpace
 from shardshift.simulate.specs import ModelSpec
 from shardshift.simulate.switch import model_space, simulate_switch
 from shardshift.train.config import TrainConfig
-from shardshift.train.model import PRESETS
+from shardshift.train.presets import PRESETS
 from shardshift.train.space import gpt_space
 
 ROOT = Path(__file__).resolve().parents[2]

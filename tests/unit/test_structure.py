@@ -27,7 +27,8 @@ SIDEWAYS = {("bench", "netemu"), ("netemu", "collectives"), ("bench", "cli")}
 PURE = ["collectives/planning", "collectives/topology/model.py", "collectives/topology/io.py",
         "collectives/topology/spec.py", "collectives/topology/presets.py", "collectives/execution/program.py",
         "reshard/space.py", "reshard/plan.py", "reshard/schedule.py", "train/space.py", "layout.py", "units.py",
-        "train/catalog.py", "elastic/config.py", "simulate/specs.py", "simulate/space.py"]
+        "train/catalog.py", "train/presets.py", "elastic/config.py", "simulate/specs.py", "simulate/space.py",
+        "simulate/cluster.py", "simulate/switch.py"]
 
 
 def _module(path) -> str:
