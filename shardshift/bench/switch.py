@@ -49,6 +49,14 @@ Before each transition every rank hands the memory its allocator keeps free back
 (glibc's ``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed
 pieces of earlier transitions would otherwise count against the machine's memory twice.
 
+With ``predict``, three more figures are measured before each switch on the same processes: the
+per-message cost (a round of 64-byte messages between every pair, like step 1, ÷ the messages one
+rank posts), and the rate of a local copy (a `p2p_bytes` tensor copied, best of three). With the
+link rate they make an α–β model of this machine (`simulate.cluster`: one host of `nproc` GPUs),
+on which the switch's own schedule is timed: ``predicted_seconds``, beside ``switch_seconds``
+(``predicted_over_switch``). The model counts bytes, messages and copies only; what it leaves out
+(allocation, building the new layout's model and optimizer) is what the ratio shows.
+
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
 can finish before its busiest receiver has taken its bytes in at the rate the links give when every
@@ -106,6 +114,7 @@ class SwitchBenchOptions:
     p2p_bytes: int  # message size of the link-rate measurement, per ordered pair
     p2p_reps: int = 3  # timed runs of the link-rate measurement (the best is kept)
     restart: bool = True  # measure the checkpoint-and-restart column
+    predict: bool = False  # also time each switch's schedule on an alpha-beta model of this machine
     timeout_s: float = 600.0  # the run's collective timeout; the restart job gets 90% of it
     json: bool = False
     plot: Path | None = None  # rank 0 draws the report here (a PNG) once it exists
@@ -169,6 +178,55 @@ def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
     for p, buf in inbox.items():  # a rate measured on garbage would be no rate
         assert int(buf[0]) == p and int(buf[-1]) == p, f"rank {rank} received wrong bytes from {p}"
     return (world - 1) * nbytes / best
+
+
+def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> float:
+    """Seconds one message end costs a rank when many are in flight, as in a switch round: every
+    rank posts `per_pair` tiny messages to and from every other at once; the best round's time ÷
+    the messages one rank sends and receives in it."""
+    transport = Transport(dist.group.WORLD)
+    peers = [p for p in range(transport.size) if p != transport.rank]
+    send = torch.zeros(64, dtype=torch.uint8, device=device)
+    inbox = [torch.empty(64, dtype=torch.uint8, device=device) for _ in range(len(peers) * per_pair)]
+    best = float("inf")
+    for rep in range(reps + 1):  # the first is a warm-up
+        tags = [_P2P_TAG + (rep * per_pair + k) for k in range(per_pair)]
+        dist.barrier()
+        start = time.perf_counter()
+        transport.post_round([PeerOp(p, send, tag) for p in peers for tag in tags],
+                             [PeerOp(p, buf, tag) for (p, tag), buf in zip(((p, t) for p in peers for t in tags), inbox)],
+                             "measuring the per-message cost").wait(Deadline.after(timeout_s))
+        seconds = _max_over_ranks(time.perf_counter() - start, device)
+        if rep:
+            best = min(best, seconds)
+    return best / (2 * len(peers) * per_pair)
+
+
+def copy_rate(nbytes: int, device: torch.device) -> float:
+    """Bytes per second of a local copy of `nbytes` into memory allocated for it, as a switch copies
+    into the new pieces and message buffers it allocates (first touches of fresh pages included;
+    best of three, after a warm-up)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for rep in range(4):
+        start = time.perf_counter()
+        torch.empty_like(src).copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep:
+            best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.device) -> float:
+    """The switch's schedule timed on an α–β model of this machine, measured now (module docstring)."""
+    from shardshift.simulate.cluster import Cluster, predict
+
+    alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
+    copies = -_max_over_ranks(-copy_rate(opts.p2p_bytes, device), device)  # the slowest rank's rate
+    machine = Cluster(hosts=1, gpus_per_host=dist.get_world_size(), intra_bandwidth=rate, intra_latency=alpha,
+                      nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies, name="this machine")
+    return predict(schedule, machine).seconds
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:
@@ -257,6 +315,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         shutil.rmtree(path)
     steps_taken = trainer.progress.step
     prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
+    predicted = _predicted(prepared.schedule, rate, opts, device) if opts.predict else None
     dist.barrier()
     report = trainer.switch(prepared)
     switch_s = _max_over_ranks(report.seconds, device)
@@ -281,6 +340,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "restart_job_seconds": None if restart is None else restart.job_seconds,
         "restart_error": restart_error,  # why the fresh job failed (rank 0), or None
         "limit_seconds": report.max_bytes_received / rate,
+        "predicted_seconds": predicted,
         "link_bytes_per_s": rate,
         "bytes_moved": report.bytes_moved,
         "bytes_kept": report.bytes_kept,
@@ -355,8 +415,9 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         r["dcp_over_switch"] = _ratio(r["dcp_seconds"], r["switch_seconds"])
         r["restart_over_switch"] = _ratio(r["restart_seconds"], r["switch_seconds"])
         r["switch_over_limit"] = _ratio(r["switch_seconds"], r["limit_seconds"])
+        r["predicted_over_switch"] = _ratio(r["predicted_seconds"], r["switch_seconds"])
     means = {key: _geomean([r[key] for r in records])
-             for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit")}
+             for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit", "predicted_over_switch")}
     result = {
         "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
         "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
@@ -384,6 +445,13 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
           f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8} |")
     print(f"sealing the saves into checkpoints (manifest CRC-32s, rename; not in 'dcp'): "
           f"{sum(r['seal_seconds'] for r in records):.2f} s in all")
+    if opts.predict:
+        print("predicted on an alpha-beta model of this machine (link rate, per-message cost, copy rate):")
+        for r in records:
+            print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s, measured "
+                  f"{r['switch_seconds']:.3f} s: x{r['predicted_over_switch']:.2f}")
+        within = sum(1 for r in records if 0.7 <= r["predicted_over_switch"] <= 1.3)
+        print(f"  within 30%: {within} of {len(records)}; geometric mean x{means['predicted_over_switch']:.2f}")
     for r in records:
         if r.get("restart_error"):
             print(f"restart failed for {r['from']} -> {r['to']}: {r['restart_error']}")

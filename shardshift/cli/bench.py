@@ -4,6 +4,7 @@
     shardshift bench switch --nproc 4 --suite               # online switch vs DCP vs restart vs the limit
     shardshift bench elastic --nproc 4 --suite              # joins, leaves, crashes vs restarts
     shardshift bench packing                                # tree packings vs their bounds
+    shardshift bench packing --scale --runs 3               # the same on 256-1,024 ranks
     shardshift bench collectives --op allreduce --nproc 4   # gloo vs ring vs trees vs auto
 
 `--plot FILE.png` (train, switch, collectives) also draws the report (`shardshift.plots.bench`).
@@ -159,6 +160,9 @@ def _add_switch(benches) -> None:
     p.add_argument("--p2p-size", default="64M", help="message per ordered rank pair in the link-rate measurement")
     p.add_argument("--no-restart", dest="restart", action="store_false",
                    help="skip the restart column (it starts a fresh job per transition: the slow part)")
+    p.add_argument("--predict", action="store_true",
+                   help="also predict each switch from its schedule on an alpha-beta model of this machine (the "
+                        "link rate, per-message cost and copy rate measured in the run), beside the measured time")
     p.add_argument("--json", action="store_true", help='print one JSON object {"transitions": [...], ...}')
     _add_plot_argument(p, "each transition's seconds, four ways, as bars on a log scale")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
@@ -194,7 +198,7 @@ def _switch_options(args: argparse.Namespace):
                       steps=len(chain), dtype=args.dtype, global_batch=args.global_batch)
     return SwitchBenchOptions(chain=chain, cfg=cfg, nproc=args.nproc, budget=parse_size(args.budget, "--budget"),
                               p2p_bytes=parse_size(args.p2p_size, "--p2p-size"), restart=args.restart,
-                              timeout_s=args.timeout, json=args.json, plot=args.plot)
+                              predict=args.predict, timeout_s=args.timeout, json=args.json, plot=args.plot)
 
 
 def _run_switch(args: argparse.Namespace) -> int:
@@ -268,9 +272,15 @@ def _add_packing(benches) -> None:
     p = benches.add_parser("packing", help="tree packing vs bounds on DGX-1 subsets and large topologies")
     p.add_argument("--sizes", default="3:8", help="DGX-1 subset sizes, 'lo:hi' inclusive (default 3:8)")
     p.add_argument("--pcie", action="store_true", help="include the PCIe/QPI fallback (all subsets)")
-    p.add_argument("--ops", default=",".join(op.value for op in Collective), help="comma-separated ops (default: all five)")
+    p.add_argument("--ops", default=None, help="comma-separated ops (default: all five; --scale: broadcast,allreduce)")
     p.add_argument("--limit", type=int, default=0, help="at most this many DGX-1 subsets (0: all)")
     p.add_argument("--skip-large", action="store_true", help="skip the 256-host multiplicative-weights case")
+    p.add_argument("--scale", action="store_true",
+                   help="instead: multiplicative weights on 256-1,024 ranks of fat trees and rail clusters (minutes)")
+    p.add_argument("--ranks", default=None, help="--scale: sizes, e.g. 256,512,1024 (the default)")
+    p.add_argument("--families", default=None,
+                   help="--scale: fat-tree, rails (a host per rank), rails-gpu (a rank per GPU); default all")
+    p.add_argument("--runs", type=int, default=None, help="--scale: solves of every row (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_packing)
 
@@ -283,12 +293,29 @@ def _packing_options(args: argparse.Namespace):
         sizes = (int(lo), int(hi or lo))
     except ValueError:
         raise ValueError(f"--sizes {args.sizes!r}: give subset sizes 'lo:hi', e.g. 3:8") from None
+    ops_text = args.ops or ("broadcast,allreduce" if args.scale else ",".join(op.value for op in Collective))
     try:
-        ops = tuple(Collective.parse(op) for op in args.ops.split(",") if op.strip())
+        ops = tuple(Collective.parse(op) for op in ops_text.split(",") if op.strip())
     except ValueError as err:
-        raise ValueError(f"--ops {args.ops}: {err}") from None
-    return PackingBenchOptions(sizes=sizes, pcie=args.pcie, ops=ops, limit=args.limit,
-                               skip_large=args.skip_large, json=args.json)
+        raise ValueError(f"--ops {ops_text}: {err}") from None
+    scale = {}
+    if args.scale:
+        if args.ranks is not None:
+            try:
+                scale["ranks"] = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+            except ValueError:
+                raise ValueError(f"--ranks {args.ranks!r}: give sizes separated by commas, e.g. 256,512,1024") from None
+        if args.families is not None:
+            scale["families"] = tuple(f.strip() for f in args.families.split(",") if f.strip())
+        if args.runs is not None:
+            scale["runs"] = args.runs
+    else:
+        given = [flag for flag, value in (("--ranks", args.ranks), ("--families", args.families),
+                                          ("--runs", args.runs)) if value is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --scale; add --scale")
+    return PackingBenchOptions(sizes=sizes, pcie=args.pcie, ops=ops, limit=args.limit, skip_large=args.skip_large,
+                               scale=args.scale, json=args.json, **scale)  # fmt: skip
 
 
 def _run_packing(args: argparse.Namespace) -> int:

@@ -9,8 +9,11 @@ non-blocking (a rail-optimised or full fat tree). Ranks are numbered host by hos
 
 A round of the schedule (`reshard.schedule`) takes, on this model, the longest of every GPU's
 and NIC's busy time: bytes ÷ bandwidth, in and out separately, plus one latency per message it
-sends or receives; local copies run at `copy_bandwidth` (HBM class by default). Rounds run one
-after another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
+sends or receives, plus its copies at `copy_bandwidth` (HBM class by default). The copies are the
+executor's (`reshard.execute`): every local piece once; a moved piece once at the sender unless it
+travels alone from a contiguous slice of the old piece, and once at the receiver unless it travels
+alone into a contiguous slice of the new piece (small pieces are packed into one message per pair,
+copied in and out). Rounds run one after another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
 """
 
 from __future__ import annotations
@@ -129,14 +132,17 @@ def predict(schedule, cluster: Cluster) -> Prediction:
         tally, by_flow = _Tally(n, nics), {}
         for piece in pieces:  # a flow's pieces in one round travel between the same processes: summed first
             nbytes = piece.box.numel * plan.tensors[piece.tensor].itemsize
-            entry = by_flow.setdefault(id(piece.flow), [piece.flow, 0, 0, False])
-            entry[1] += nbytes
-            if nbytes >= schedule.direct_bytes:
-                entry[2] += 1
-            else:
-                entry[3] = True
-        for flow, nbytes, direct, packed in by_flow.values():
-            tally.add(flow, nbytes, cluster, direct, packed)
+            entry = by_flow.setdefault(id(piece.flow), _FlowRound(piece.flow))
+            direct = nbytes >= schedule.direct_bytes
+            entry.nbytes += nbytes
+            entry.direct += direct
+            entry.packed |= not direct
+            old = plan.old_classes[piece.tensor].boxes[piece.flow.a]
+            new = plan.new_classes[piece.tensor].boxes[piece.flow.b]
+            entry.send_copies += 0 if direct and contiguous(piece.box, old) else nbytes
+            entry.recv_copies += 0 if direct and contiguous(piece.box, new) else nbytes
+        for entry in by_flow.values():
+            tally.add(entry, cluster)
         rounds.append(tally.seconds(cluster))
         totals.merge(tally)
     per_gpu_in = totals.intra_in / cluster.intra_bandwidth
@@ -150,6 +156,26 @@ def predict(schedule, cluster: Cluster) -> Prediction:
     )
 
 
+def contiguous(box, outer) -> bool:
+    """Whether `box`, cut out of a row-major tensor holding `outer`, is one run of memory: whole in
+    every dim after some dim, and one element wide in every dim before it."""
+    sizes, full = box.sizes, outer.sizes
+    k = next((d for d in range(len(sizes)) if sizes[d] != 1), len(sizes))
+    return all(sizes[d] == full[d] for d in range(k + 1, len(sizes)))
+
+
+@dataclasses.dataclass
+class _FlowRound:
+    """A flow's pieces within one round, per destination: bytes, messages, bytes copied at each end."""
+
+    flow: object
+    nbytes: int = 0
+    direct: int = 0  # pieces sent as messages of their own
+    packed: bool = False  # some pieces packed in the pair's one message
+    send_copies: int = 0
+    recv_copies: int = 0
+
+
 class _Tally:
     """Bytes and messages per GPU and per NIC, in and out (one round, or the whole switch)."""
 
@@ -160,12 +186,13 @@ class _Tally:
         self.nic_in, self.nic_out = np.zeros(nics), np.zeros(nics)
         self.packed: list[np.ndarray] = []  # pairs (src * n + dst) of small segments, packed one message a pair
 
-    def add(self, flow, nbytes: int, cluster: Cluster, direct: int, packed: bool) -> None:
-        """A flow's pieces of one round: `nbytes` per destination, `direct` of them in messages of
-        their own, the others (if `packed`) in the one message between each pair."""
+    def add(self, entry: _FlowRound, cluster: Cluster) -> None:
+        flow, nbytes, direct = entry.flow, entry.nbytes, entry.direct
         local = flow.src == flow.dst
         np.add.at(self.copies, flow.dst[local], nbytes)
         src, dst = flow.src[~local], flow.dst[~local]
+        np.add.at(self.copies, src, entry.send_copies)
+        np.add.at(self.copies, dst, entry.recv_copies)
         same = cluster.host(src) == cluster.host(dst)
         np.add.at(self.intra_in, dst[same], nbytes)
         np.add.at(self.intra_out, src[same], nbytes)
@@ -173,7 +200,7 @@ class _Tally:
         np.add.at(self.nic_out, cluster.nic(src[~same]), nbytes)
         if direct:
             self._count(src, dst, same, direct)
-        if packed:
+        if entry.packed:
             self.packed.append(src * self.n + dst)
 
     def _count(self, src: np.ndarray, dst: np.ndarray, same: np.ndarray, times: int = 1) -> None:

@@ -30,7 +30,8 @@ def test_small_chain_reports_every_column(budget):
     chain = ["dp=2", "fsdp=2", "tp=2"]
     run = subprocess.run(
         [sys.executable, "-m", "shardshift", "bench", "switch", "--nproc", "2", "--model", "test",
-         "--suite", ";".join(chain), "--budget", "16K", "--p2p-size", "256K", "--json", "--timeout", str(budget.left())],
+         "--suite", ";".join(chain), "--budget", "16K", "--p2p-size", "256K", "--predict", "--json",
+         "--timeout", str(budget.left())],
         capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
@@ -55,3 +56,7 @@ def test_small_chain_reports_every_column(budget):
     # Not vacuous: replicas to shards keeps every byte local, shards to tp must move some.
     assert rows[0]["bytes_moved"] == 0 and rows[1]["bytes_moved"] > 0 and rows[1]["rounds"] > 1
     assert rows[1]["switch_over_limit"] > 0 and out["geomean"]["restart_over_switch"] > 0
+    # --predict: each switch's schedule timed on the machine's measured alpha-beta model, beside it.
+    for r in rows:
+        assert r["predicted_seconds"] > 0 and r["predicted_over_switch"] == r["predicted_seconds"] / r["switch_seconds"]
+    assert rows[1]["predicted_seconds"] > rows[0]["predicted_seconds"]  # bytes on the links cost more than copies
