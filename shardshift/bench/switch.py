@@ -51,11 +51,13 @@ pieces of earlier transitions would otherwise count against the machine's memory
 
 With ``predict``, three more figures are measured before each switch on the same processes: the
 per-message cost (a round of 64-byte messages between every pair, like step 1, ÷ the messages one
-rank posts), and the rate of a local copy (a `p2p_bytes` tensor copied, best of three). With the
+rank posts), and the rates of a local copy (a `p2p_bytes` tensor copied into fresh memory, best
+of three; and the same out of a strided slice). With the
 link rate they make an α–β model of this machine (`simulate.cluster`: one host of `nproc` GPUs),
-on which the switch's own schedule is timed: ``predicted_seconds``, beside ``switch_seconds``
-(``predicted_over_switch``). The model counts bytes, messages and copies only; what it leaves out
-(allocation, building the new layout's model and optimizer) is what the ratio shows.
+on which the switch's own schedule is timed: ``predicted_seconds``, beside ``move_seconds`` (the
+part of ``switch_seconds`` that runs the schedule: transfers and copies, the slowest rank's;
+``predicted_over_move``) and ``switch_seconds`` (``predicted_over_switch``: the rest is building
+the new layout's optimizer and wrappers, which the model leaves out).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -202,20 +204,23 @@ def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: in
     return best / (2 * len(peers) * per_pair)
 
 
-def copy_rate(nbytes: int, device: torch.device) -> float:
+def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
     """Bytes per second of a local copy of `nbytes` into memory allocated for it, as a switch copies
     into the new pieces and message buffers it allocates (first touches of fresh pages included;
-    best of three, after a warm-up)."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    best of three, after a warm-up). `strided`: out of every other 1 KiB run of a twice larger
+    matrix, as a column slice of a tensor-parallel weight is cut."""
+    rows = max(1, nbytes // 1024)
+    src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
+        torch.ones((rows, 1024), dtype=torch.uint8, device=device)
     best = float("inf")
     for rep in range(4):
         start = time.perf_counter()
-        torch.empty_like(src).copy_(src)
+        torch.empty(src.shape, dtype=src.dtype, device=device).copy_(src)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if rep:
             best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return src.numel() / best
 
 
 def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.device) -> float:
@@ -223,9 +228,11 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     from shardshift.simulate.cluster import Cluster, predict
 
     alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
-    copies = -_max_over_ranks(-copy_rate(opts.p2p_bytes, device), device)  # the slowest rank's rate
+    copies, strided = (-_max_over_ranks(-copy_rate(opts.p2p_bytes, device, strided), device)  # the slowest rank's
+                       for strided in (False, True))
     machine = Cluster(hosts=1, gpus_per_host=dist.get_world_size(), intra_bandwidth=rate, intra_latency=alpha,
-                      nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies, name="this machine")
+                      nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
+                      strided_copy_bandwidth=strided, name="this machine")
     return predict(schedule, machine).seconds
 
 
@@ -329,6 +336,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "placed": report.new,  # the new layout and the rank order the switch chose
         "steps_taken": steps_taken,  # optimizer steps before the switch
         "switch_seconds": switch_s,
+        "move_seconds": report.move_seconds,
         "prepare_seconds": report.prepare_seconds,
         "dcp_seconds": save_s + load_s,
         "dcp_save_seconds": save_s,
@@ -416,8 +424,10 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         r["restart_over_switch"] = _ratio(r["restart_seconds"], r["switch_seconds"])
         r["switch_over_limit"] = _ratio(r["switch_seconds"], r["limit_seconds"])
         r["predicted_over_switch"] = _ratio(r["predicted_seconds"], r["switch_seconds"])
+        r["predicted_over_move"] = _ratio(r["predicted_seconds"], r["move_seconds"])
     means = {key: _geomean([r[key] for r in records])
-             for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit", "predicted_over_switch")}
+             for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit", "predicted_over_switch",
+                         "predicted_over_move")}
     result = {
         "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
         "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
@@ -448,10 +458,12 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
     if opts.predict:
         print("predicted on an alpha-beta model of this machine (link rate, per-message cost, copy rate):")
         for r in records:
-            print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s, measured "
-                  f"{r['switch_seconds']:.3f} s: x{r['predicted_over_switch']:.2f}")
-        within = sum(1 for r in records if 0.7 <= r["predicted_over_switch"] <= 1.3)
-        print(f"  within 30%: {within} of {len(records)}; geometric mean x{means['predicted_over_switch']:.2f}")
+            print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s; moving took "
+                  f"{r['move_seconds']:.3f} s (x{r['predicted_over_move']:.2f}), the switch {r['switch_seconds']:.3f} s "
+                  f"(x{r['predicted_over_switch']:.2f})")
+        within = sum(1 for r in records if 0.7 <= r["predicted_over_move"] <= 1.3)
+        print(f"  within 30% of the moving: {within} of {len(records)}; geometric mean x{means['predicted_over_move']:.2f} "
+              f"of the moving, x{means['predicted_over_switch']:.2f} of the switch")
     for r in records:
         if r.get("restart_error"):
             print(f"restart failed for {r['from']} -> {r['to']}: {r['restart_error']}")

@@ -9,11 +9,12 @@ non-blocking (a rail-optimised or full fat tree). Ranks are numbered host by hos
 
 A round of the schedule (`reshard.schedule`) takes, on this model, the longest of every GPU's
 and NIC's busy time: bytes ÷ bandwidth, in and out separately, plus one latency per message it
-sends or receives, plus its copies at `copy_bandwidth` (HBM class by default). The copies are the
-executor's (`reshard.execute`): every local piece once; a moved piece once at the sender unless it
-travels alone from a contiguous slice of the old piece, and once at the receiver unless it travels
-alone into a contiguous slice of the new piece (small pieces are packed into one message per pair,
-copied in and out). Rounds run one after another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
+sends or receives, plus its copies at `copy_bandwidth` (HBM class by default), or `strided_copy_bandwidth` where
+a slice is not contiguous. The copies are the executor's (`reshard.execute`): every local piece
+once; a moved piece once at the sender unless it travels alone from a contiguous slice of the old
+piece, and once at the receiver unless it travels alone into a contiguous slice of the new piece
+(small pieces are packed into one message per pair, copied in and out). Rounds run one after
+another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from shardshift.units import parse_duration, parse_rate
 
-_RATES = ("intra_bandwidth", "nic_bandwidth", "copy_bandwidth")
+_RATES = ("intra_bandwidth", "nic_bandwidth", "copy_bandwidth", "strided_copy_bandwidth")
 _TIMES = ("intra_latency", "latency")
 _TOPOLOGY_ONLY = ("hosts_per_leaf", "spines", "rails")  # shape the fabric, which the model takes as non-blocking
 
@@ -40,7 +41,8 @@ class Cluster:
     nics_per_host: int = 8
     nic_bandwidth: float = 50e9  # bytes/s each way per NIC (400 Gbit/s)
     latency: float = 5e-6
-    copy_bandwidth: float = 1e12  # bytes/s of a local copy (HBM class)
+    copy_bandwidth: float = 1e12  # bytes/s of a local copy of contiguous memory (HBM class)
+    strided_copy_bandwidth: float = 0.0  # bytes/s of a copy to or from a non-contiguous slice (0: copy_bandwidth)
     name: str = "cluster"
 
     def __post_init__(self) -> None:
@@ -48,6 +50,8 @@ class Cluster:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"cluster {field}={value!r} must be an integer >= 1")
+        if not self.strided_copy_bandwidth:
+            object.__setattr__(self, "strided_copy_bandwidth", self.copy_bandwidth)
         for field in _RATES:
             if not getattr(self, field) > 0:
                 raise ValueError(f"cluster {field}={getattr(self, field)!r} must be > 0 bytes/s")
@@ -116,7 +120,7 @@ class Prediction:
     inter_host_bytes: int
     busiest_nic_bytes: int  # in or out, the most of any NIC
     busiest_gpu_bytes: int  # received by one GPU from others
-    copy_bytes: int  # local copies, the largest of any GPU
+    copy_bytes: int  # local pieces copied, the most of any GPU
 
 
 def predict(schedule, cluster: Cluster) -> Prediction:
@@ -137,10 +141,15 @@ def predict(schedule, cluster: Cluster) -> Prediction:
             entry.nbytes += nbytes
             entry.direct += direct
             entry.packed |= not direct
-            old = plan.old_classes[piece.tensor].boxes[piece.flow.a]
-            new = plan.new_classes[piece.tensor].boxes[piece.flow.b]
-            entry.send_copies += 0 if direct and contiguous(piece.box, old) else nbytes
-            entry.recv_copies += 0 if direct and contiguous(piece.box, new) else nbytes
+            at_source = contiguous(piece.box, plan.old_classes[piece.tensor].boxes[piece.flow.a])
+            at_target = contiguous(piece.box, plan.new_classes[piece.tensor].boxes[piece.flow.b])
+            seconds = [0.0 if direct and whole else nbytes / (cluster.copy_bandwidth if whole else
+                                                              cluster.strided_copy_bandwidth)
+                       for whole in (at_source, at_target)]
+            entry.send_copy_seconds += seconds[0]
+            entry.recv_copy_seconds += seconds[1]
+            slowest = cluster.copy_bandwidth if at_source and at_target else cluster.strided_copy_bandwidth
+            entry.local_copy_seconds += nbytes / slowest
         for entry in by_flow.values():
             tally.add(entry, cluster)
         rounds.append(tally.seconds(cluster))
@@ -152,7 +161,7 @@ def predict(schedule, cluster: Cluster) -> Prediction:
         seconds=float(sum(rounds)), round_seconds=tuple(rounds), limit_seconds=limit,
         intra_host_bytes=int(totals.intra_in.sum()), inter_host_bytes=int(totals.nic_in.sum()),
         busiest_nic_bytes=int(max(totals.nic_in.max(initial=0), totals.nic_out.max(initial=0))),
-        busiest_gpu_bytes=int(plan.received.max(initial=0)), copy_bytes=int(totals.copies.max(initial=0)),
+        busiest_gpu_bytes=int(plan.received.max(initial=0)), copy_bytes=int(totals.copied.max(initial=0)),
     )
 
 
@@ -166,14 +175,15 @@ def contiguous(box, outer) -> bool:
 
 @dataclasses.dataclass
 class _FlowRound:
-    """A flow's pieces within one round, per destination: bytes, messages, bytes copied at each end."""
+    """A flow's pieces within one round, per destination: bytes, messages, time copying at each end."""
 
     flow: object
     nbytes: int = 0
     direct: int = 0  # pieces sent as messages of their own
     packed: bool = False  # some pieces packed in the pair's one message
-    send_copies: int = 0
-    recv_copies: int = 0
+    send_copy_seconds: float = 0.0
+    recv_copy_seconds: float = 0.0
+    local_copy_seconds: float = 0.0  # for a destination that holds the piece itself
 
 
 class _Tally:
@@ -181,7 +191,8 @@ class _Tally:
 
     def __init__(self, n: int, nics: int) -> None:
         self.n = n
-        self.intra_in, self.intra_out, self.copies = (np.zeros(n) for _ in range(3))
+        self.intra_in, self.intra_out = np.zeros(n), np.zeros(n)
+        self.copied, self.copying = np.zeros(n), np.zeros(n)  # bytes of local pieces; seconds of every copy
         self.messages, self.remote_messages = np.zeros(n), np.zeros(n)  # ends of messages, by where the peer is
         self.nic_in, self.nic_out = np.zeros(nics), np.zeros(nics)
         self.packed: list[np.ndarray] = []  # pairs (src * n + dst) of small segments, packed one message a pair
@@ -189,10 +200,11 @@ class _Tally:
     def add(self, entry: _FlowRound, cluster: Cluster) -> None:
         flow, nbytes, direct = entry.flow, entry.nbytes, entry.direct
         local = flow.src == flow.dst
-        np.add.at(self.copies, flow.dst[local], nbytes)
+        np.add.at(self.copied, flow.dst[local], nbytes)
+        np.add.at(self.copying, flow.dst[local], entry.local_copy_seconds)
         src, dst = flow.src[~local], flow.dst[~local]
-        np.add.at(self.copies, src, entry.send_copies)
-        np.add.at(self.copies, dst, entry.recv_copies)
+        np.add.at(self.copying, src, entry.send_copy_seconds)
+        np.add.at(self.copying, dst, entry.recv_copy_seconds)
         same = cluster.host(src) == cluster.host(dst)
         np.add.at(self.intra_in, dst[same], nbytes)
         np.add.at(self.intra_out, src[same], nbytes)
@@ -208,7 +220,7 @@ class _Tally:
         np.add.at(self.remote_messages, np.concatenate([src[~same], dst[~same]]), times)
 
     def merge(self, other: "_Tally") -> None:
-        for name in ("intra_in", "intra_out", "copies", "messages", "remote_messages", "nic_in", "nic_out"):
+        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "nic_in", "nic_out"):
             getattr(self, name)[...] += getattr(other, name)
 
     def seconds(self, cluster: Cluster) -> float:
@@ -219,6 +231,6 @@ class _Tally:
             self.packed = []
         gpu = (np.maximum(self.intra_in, self.intra_out) / cluster.intra_bandwidth
                + self.messages * cluster.intra_latency + self.remote_messages * cluster.latency
-               + self.copies / cluster.copy_bandwidth)
+               + self.copying)
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
         return float(max(gpu.max(initial=0), nic.max(initial=0)))

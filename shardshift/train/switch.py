@@ -62,6 +62,7 @@ class SwitchReport:
     old: str
     new: str  # the new layout, with its rank order when it is not the identity
     seconds: float  # the switch call, until the trainer is ready for its next step (slowest rank)
+    move_seconds: float  # of which running the schedule: every round's transfers and copies (slowest rank)
     prepare_seconds: float  # planning and building meshes and model structure (slowest rank)
     prepared_ahead: bool  # whether that was done before the call (then `seconds` excludes it)
     bytes_moved: int  # over all ranks
@@ -82,6 +83,7 @@ class SwitchReport:
             "from": self.old,
             "to": self.new,
             "seconds": self.seconds,
+            "move_seconds": self.move_seconds,
             "prepare_seconds": self.prepare_seconds,
             "prepared_ahead": self.prepared_ahead,
             "bytes_moved": self.bytes_moved,
@@ -315,7 +317,7 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
     extra = stats.peak_bytes - max(stats.old_bytes, stats.new_bytes)
     device_peak = torch.cuda.max_memory_allocated() if on_cuda else 0
     figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, int(seconds * 1e9),
-               int(prepared.seconds * 1e9)]
+               int(prepared.seconds * 1e9), int(stats.seconds * 1e9)]
     worst = torch.tensor(figures, dtype=torch.int64, device=device)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
@@ -326,6 +328,7 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
         old=str(plan.old),
         new=str(plan.new),
         seconds=worst[4] / 1e9,
+        move_seconds=worst[6] / 1e9,
         prepare_seconds=worst[5] / 1e9,
         prepared_ahead=ahead,
         bytes_moved=plan.bytes_moved,

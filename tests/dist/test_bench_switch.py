@@ -59,4 +59,5 @@ def test_small_chain_reports_every_column(budget):
     # --predict: each switch's schedule timed on the machine's measured alpha-beta model, beside it.
     for r in rows:
         assert r["predicted_seconds"] > 0 and r["predicted_over_switch"] == r["predicted_seconds"] / r["switch_seconds"]
+        assert 0 < r["move_seconds"] <= r["switch_seconds"] and r["predicted_over_move"] > 0
     assert rows[1]["predicted_seconds"] > rows[0]["predicted_seconds"]  # bytes on the links cost more than copies

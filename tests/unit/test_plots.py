@@ -47,7 +47,8 @@ def _step(metrics: Metrics, layout: str, step: int, loss: float | None = None) -
 
 
 def _switch(metrics: Metrics, step: int, old: str, new: str) -> None:
-    metrics.write(SwitchReport(step=step, old=old, new=new, seconds=0.5, prepare_seconds=0.1, prepared_ahead=True,
+    metrics.write(SwitchReport(step=step, old=old, new=new, seconds=0.5, move_seconds=0.4, prepare_seconds=0.1,
+                               prepared_ahead=True,
                                bytes_moved=1, bytes_kept=1, bytes_lower_bound=1, bytes_total=2, max_bytes_received=1,
                                rounds=1, budget=1 << 20, peak_mem_bytes=1, extra_mem_bytes=0).event())
 
@@ -302,7 +303,7 @@ def switch_result() -> dict:
                 "dcp_load_seconds": dcp / 2, "dcp_build_seconds": 0.2, "restart_seconds": restart,
                 "restart_step_seconds": None, "restart_job_seconds": None,
                 "restart_error": None if restart else "exit status 1", "limit_seconds": limit,
-                "link_bytes_per_s": 1e9, "bytes_moved": 10, "bytes_kept": 5, "bytes_lower_bound": 10,
+                "predicted_seconds": None, "move_seconds": switch / 2, "link_bytes_per_s": 1e9, "bytes_moved": 10, "bytes_kept": 5, "bytes_lower_bound": 10,
                 "bytes_total": 20, "max_bytes_received": 5, "rounds": 1, "budget": 1 << 28, "peak_mem_bytes": 30,
                 "extra_mem_bytes": 3, "state_mismatches": 0, "step_after_seconds": 0.3, "loss_after": 4.0,
                 "dcp_over_switch": dcp / switch, "restart_over_switch": restart and restart / switch,
