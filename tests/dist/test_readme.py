@@ -44,6 +44,10 @@ SMOKE: dict[str, list[str] | str] = {
         "dist/test_train_trees.py::test_the_command_trains_on_trees_and_counts_their_calls",
     "shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4' --topology docs/topologies/hetero4x.yaml --emulate":
         "netns/test_collectives_emulated.py::test_bench_train_on_emulated_links_trains_each_layout_on_gloo_and_on_trees",
+    "shardshift simulate switch --model qwen3-235b-a22b --ranks 4096 --from dp=8,ep=16,tp=4,pp=8 "
+    "--to dp=16,ep=8,tp=4,pp=8": "unit/test_simulate.py::test_the_command_reports_every_figure_as_json",
+    "shardshift simulate switch --model llama3-70b --ranks 512 --from dp=8,tp=8,pp=8 --to dp=16,tp=8,pp=4 "
+    "--cluster docs/topologies/cluster-dynatrain.yaml": "unit/test_simulate.py::test_the_command_reports_every_figure_as_json",
     "shardshift topo draw --preset dgx1v --gpus 0,1,2,3 --op broadcast":
         "unit/test_plots.py::test_topo_draw_writes_the_packing_on_the_topology",
 }  # fmt: skip

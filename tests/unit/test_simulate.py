@@ -105,10 +105,16 @@ def _simulate(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_the_command_reports_every_figure_as_json(capsys):
+    """The README's commands, at 256 ranks: a dense model on the shipped cluster, an MoE one on the default."""
+    code, out, _ = _simulate(capsys, "--model", "qwen3-235b-a22b", "--ranks", "256", "--from", "dp=2,ep=4,tp=4,pp=8",
+                             "--to", "dp=4,ep=2,tp=4,pp=8")
+    assert code == 0 and "qwen3-235b-a22b: dp=2,ep=4,tp=4,pp=8 -> dp=4,ep=2,tp=4,pp=8 on 256 ranks" in out
     code, out, _ = _simulate(capsys, "--model", "llama3-70b", "--ranks", "256", "--from", "fsdp=4,tp=8,pp=8",
-                             "--to", "dp=2,fsdp=2,tp=8,pp=8", "--json")
+                             "--to", "dp=2,fsdp=2,tp=8,pp=8", "--cluster", str(ROOT / "docs/topologies/cluster-dynatrain.yaml"),
+                             "--json")
     assert code == 0
     report = json.loads(out)
+    assert report["cluster"].startswith("cluster-dynatrain: 64 host(s) x 8 GPUs")
     for key in ("bytes_moved", "bytes_kept", "bytes_lower_bound", "rounds", "peak_extra_bytes", "busiest_nic_bytes",
                 "predicted_seconds", "plan_seconds", "schedule_seconds", "max_rss_bytes"):
         assert key in report, key
