@@ -36,7 +36,7 @@ from shardshift.reshard.classes import all_classes
 from shardshift.reshard.space import LogicalTensor, Sharding, Split, StateSpace
 from shardshift.simulate.specs import ModelSpec
 from shardshift.train.presets import block_stages
-from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, RNG_STATE_BYTES, uses_fsdp
+from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, RNG_STATE_BYTES, uses_fsdp, whole_sharding
 from shardshift.units import format_size, parse_size
 
 # Parameter (within a layer, or at the top) -> the splits of its piece before FSDP's: (axis, dim) each.
@@ -115,12 +115,10 @@ class SpecSpace:
         return block_stages(self.spec.num_hidden_layers, pp)[layer]
 
     def sharding(self, layout: Layout, coord: Coord, tensor: LogicalTensor) -> Sharding:
-        if tensor.kind in ("progress", "rng"):
-            return Sharding(stage=None)
-        stage = self.stage_of(tensor.name, layout.pp)
-        if tensor.kind == "step":
-            return Sharding(stage=stage)
-        return _sharding(stage, self._rules[tensor.name][1], layout, coord.ep, coord.tp, coord.fsdp)
+        whole = whole_sharding(self, layout, tensor)
+        if whole is not None:
+            return whole
+        return _sharding(self.stage_of(tensor.name, layout.pp), self._rules[tensor.name][1], layout, coord.ep, coord.tp, coord.fsdp)
 
 
 def _known(name: str) -> str | None:

@@ -44,6 +44,17 @@ PROGRESS_KEY = "progress:train"  # [optimizer steps taken, samples of the data s
 RNG_KEY = "rng:cpu"  # the CPU generator's state
 
 
+def whole_sharding(space, layout: Layout, tensor: LogicalTensor) -> Sharding | None:
+    """Where the state held whole goes: the progress and the RNG state on every rank, AdamW's step
+    on every rank of its parameter's stage (`space.stage_of`); None for a parameter or a moment,
+    which a space splits by its own rules."""
+    if tensor.kind in ("progress", "rng"):
+        return Sharding(stage=None)
+    if tensor.kind == "step":
+        return Sharding(stage=space.stage_of(tensor.name, layout.pp))
+    return None
+
+
 def uses_fsdp(layout: Layout) -> bool:
     """FSDP2 wraps the model unless the layout is pure replication (DDP) or has no data axis."""
     replicate_only = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
@@ -88,11 +99,10 @@ class GPTSpace:
         return 0 if parts[0] in ("tok_emb", "pos_emb") else pp - 1
 
     def sharding(self, layout: Layout, coord: Coord, tensor: LogicalTensor) -> Sharding:
-        if tensor.kind in ("progress", "rng"):
-            return Sharding(stage=None)
+        whole = whole_sharding(self, layout, tensor)
+        if whole is not None:
+            return whole
         stage = self.stage_of(tensor.name, layout.pp)
-        if tensor.kind == "step":
-            return Sharding(stage=stage)
         splits = []
         style = _tp_style(tensor.name)
         if layout.tp > 1 and style is not None:
