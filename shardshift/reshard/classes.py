@@ -113,9 +113,23 @@ class PieceSizes:
     def __call__(self, old: TensorClasses, new: TensorClasses) -> np.ndarray:
         key = (id(old.boxes), id(new.boxes))
         if key not in self.cache:  # the classes are kept with the sizes, so the ids stay theirs
-            sizes = [[x.intersect(y).numel for y in new.boxes] for x in old.boxes]
-            self.cache[key] = (old, new, np.array(sizes, dtype=np.int64).reshape(len(old.boxes), len(new.boxes)))
+            self.cache[key] = (old, new, overlaps(old.boxes, new.boxes))
         return self.cache[key][2]
+
+
+def overlaps(a: Sequence[Box | None], b: Sequence[Box | None]) -> np.ndarray:
+    """int64[len(a), len(b)]: the elements each box of `a` shares with each box of `b` (boxes of
+    one tensor; None holds nothing), all pairs at once."""
+    def bounds(boxes):
+        dims = next((len(x.sizes) for x in boxes if x is not None), 0)
+        lo = np.array([x.offsets if x is not None else (0,) * dims for x in boxes], dtype=np.int64).reshape(len(boxes), dims)
+        size = np.array([x.sizes if x is not None else (0,) * dims for x in boxes], dtype=np.int64).reshape(len(boxes), dims)
+        return lo, lo + size
+
+    (alo, ahi), (blo, bhi) = bounds(a), bounds(b)
+    side = np.minimum(ahi[:, None], bhi[None]) - np.maximum(alo[:, None], blo[None])
+    held = np.array([x is not None for x in a])[:, None] & np.array([y is not None for y in b])[None]
+    return np.clip(side, 0, None).prod(axis=2) * held
 
 
 class KeptBytes:

@@ -26,12 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from shardshift.layout import Coord, Layout
-from shardshift.reshard.classes import NOTHING, KeptBytes, PieceSizes, TensorClasses, all_classes, class_at
+from shardshift.reshard.classes import NOTHING, KeptBytes, PieceSizes, TensorClasses, all_classes, class_at, overlaps
 from shardshift.reshard.space import Box, LogicalTensor, StateSpace
 
 Holdings = tuple[tuple[Box | None, ...], ...]  # [process rank][tensor index]
@@ -155,7 +155,8 @@ def choose_ranks(
     are numbered afresh, by coordinate, so any placement is one PyTorch's meshes take: the optimum
     is used as it is.
 
-    The problem is solved over kinds of processes and coordinates, not over each (`_best_placement`).
+    The matrix is built over kinds of processes and coordinates (`_Placement`), and the solver runs
+    only when no axis order keeps as much as the best placement could.
     """
     n = layout.world_size
     old_classes = all_classes(space, old.layout) if old_classes is None else old_classes
@@ -165,34 +166,83 @@ def choose_ranks(
     held[list(old.ranks)] = np.arange(len(old.ranks))
     processes = np.arange(n) if members is None else np.asarray(members)
     assert len(processes) == n, (members, layout)
-    best = tuple(int(p) for p in processes[_best_placement(kept, held[processes], n)])
+    problem = _Placement(kept, held[processes])
     if members is not None:
-        return Assignment(layout, best, old.world)
+        return Assignment(layout, tuple(int(p) for p in processes[next(problem.solutions())]), old.world)
     assert n == old.layout.world_size and old.world == n, "a new world of another size needs `members`"
     candidates = axis_orders(layout)
-    if increasing_on_every_axis(layout, best):
-        candidates.append(best)
     score = [kept.total(held[list(order)]) for order in candidates]
+    if max(score) < problem.bound():  # some placement may keep more: the first optimum PyTorch takes
+        best = next((tuple(int(p) for p in processes[solution]) for solution in problem.solutions()
+                     if increasing_on_every_axis(layout, processes[solution])), None)
+        if best is not None:
+            candidates.append(best)
+            score.append(kept.total(held[list(best)]))
     return Assignment(layout, candidates[score.index(max(score))])
 
 
-def _best_placement(kept: KeptBytes, held: np.ndarray, n: int) -> np.ndarray:
-    """For each new coordinate, the index into `held` of the process taking it, keeping the most
-    bytes in place (a linear assignment problem).
+class _Placement:
+    """Which process takes each new coordinate, keeping the most bytes in place: a linear
+    assignment problem.
 
     Processes that held coordinates of the same classes for every tensor keep the same bytes
     anywhere, and new coordinates of the same classes are worth the same to anyone: the matrix of
-    kept bytes is worked out between those kinds (a few hundred at most for any layout) and spread
-    over the processes and coordinates by indexing, before the solver runs once on it."""
-    from scipy.optimize import linear_sum_assignment  # here: a run that never switches never loads scipy
+    kept bytes is worked out between those kinds (a few hundred at most for any layout), and spread
+    over the processes and coordinates by indexing only when the solver runs."""
 
-    p_kind, p_first = _kinds(np.stack([class_at(a, held) for a, _, _ in kept.groups], axis=1))
-    c_kind, c_first = _kinds(np.stack([b for _, b, _ in kept.groups], axis=1))
-    profit = kept.matrix(held[p_first], c_first)[np.ix_(p_kind, c_kind)]
-    procs, coords = linear_sum_assignment(profit, maximize=True)
-    out = np.empty(n, dtype=np.int64)
-    out[coords] = procs
-    return out
+    def __init__(self, kept: KeptBytes, held: np.ndarray) -> None:
+        self.p_kind, p_first = _kinds(np.stack([class_at(a, held) for a, _, _ in kept.groups], axis=1))
+        self.c_kind, c_first = _kinds(np.stack([b for _, b, _ in kept.groups], axis=1))
+        self.profit = kept.matrix(held[p_first], c_first)
+
+    def bound(self) -> int:
+        """No placement keeps more: every coordinate with the process that keeps the most of it."""
+        return int(self.profit.max(axis=0)[self.c_kind].sum())
+
+    def solutions(self) -> Iterator[np.ndarray]:
+        """Optimal placements: for each new coordinate, the index of the process (into `held`)
+        taking it. First, when every coordinate can go to a process keeping the most of it, such a
+        placement (a flow between the kinds along those best pairs: it reaches `bound`); then the
+        linear assignment over every process and coordinate."""
+        tight = self._along_best_pairs()
+        if tight is not None:
+            yield tight
+        from scipy.optimize import linear_sum_assignment  # here: a run that never switches never loads scipy
+
+        procs, coords = linear_sum_assignment(self.profit[np.ix_(self.p_kind, self.c_kind)], maximize=True)
+        out = np.empty(len(self.c_kind), dtype=np.int64)
+        out[coords] = procs
+        yield out
+
+    def _along_best_pairs(self) -> np.ndarray | None:
+        """A placement in which every coordinate's process keeps the most any could, or None.
+
+        The processes a kind of coordinate gets are given to its coordinates in increasing order,
+        so the placement runs in rank order along every axis wherever the kinds allow."""
+        from scipy.sparse import csr_array
+        from scipy.sparse.csgraph import maximum_flow
+
+        supply, demand = np.bincount(self.p_kind), np.bincount(self.c_kind)
+        k, m = self.profit.shape
+        rows, cols = np.nonzero(self.profit == self.profit.max(axis=0))  # the best pairs of kinds
+        source, sink = k + m, k + m + 1  # nodes: process kinds, coordinate kinds, source, sink
+        graph = csr_array((np.concatenate([supply, np.full(len(rows), len(self.c_kind)), demand]).astype(np.int32),
+                           (np.concatenate([np.full(k, source), rows, k + np.arange(m)]),
+                            np.concatenate([np.arange(k), k + cols, np.full(m, sink)]))), shape=(k + m + 2,) * 2)
+        result = maximum_flow(graph, source, sink)
+        if result.flow_value < len(self.c_kind):
+            return None
+        flow = result.flow.tocoo()
+        members = [list(np.flatnonzero(self.p_kind == i)) for i in range(k)]
+        given: list[list[int]] = [[] for _ in range(m)]
+        for i, j, count in sorted(zip(flow.row.tolist(), flow.col.tolist(), flow.data.tolist()), key=lambda e: e[1]):
+            if i < k and k <= j < k + m and count > 0:
+                given[j - k] += members[i][:count]
+                del members[i][:count]
+        out = np.empty(len(self.c_kind), dtype=np.int64)
+        for j in range(m):
+            out[np.flatnonzero(self.c_kind == j)] = sorted(given[j])
+        return out
 
 
 def _kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -350,37 +400,64 @@ class TransitionPlan:
         class gets each piece exactly once, from a process that holds the old class or keeps a copy
         of that box (checked once per flow)."""
         copies = set(self.copies)
-        pairs: dict[tuple[int, int], set[tuple[int, int]]] = {}  # flows per tensor, as (a, b)
+        pairs: dict[tuple[int, ...], set[tuple[int, int]]] = {}  # the flows of each bundle of tensors, as (a, b)
+        bundle_of: dict[int, tuple[int, ...]] = {}
+        old_of, new_of = _ClassesAt(self.held), _ClassesAt(self.placed)
         for f in self.flows:
             old, new = self.old_classes[f.tensors[0]], self.new_classes[f.tensors[0]]
-            assert np.array_equal(f.dst, np.flatnonzero(class_at(new.of_coord, self.placed) == f.b)), (
+            assert np.array_equal(f.dst, new_of.members(new, f.b)), (
                 f"{self.tensors[f.tensors[0]].key}: a piece misses or repeats a process")
             own = f.copy_of == NOTHING
-            assert (class_at(old.of_coord, self.held)[f.src[own]] == f.a).all(), (
-                f"{self.tensors[f.tensors[0]].key}: a source does not hold its piece")
-            for t in f.tensors:
-                pairs.setdefault(t, set()).add((f.a, f.b))
+            assert (old_of(old)[f.src[own]] == f.a).all(), f"{self.tensors[f.tensors[0]].key}: a source does not hold its piece"
+            if f.tensors not in pairs:
+                bundle_of.update((t, f.tensors) for t in f.tensors)
+            pairs.setdefault(f.tensors, set()).add((f.a, f.b))
+            for t in f.tensors if not own.all() else ():
                 for src, of in zip(f.src[~own].tolist(), f.copy_of[~own].tolist()):
                     assert (src, of, t) in copies and self.copied[(of, t)] == self.old_classes[t].boxes[f.a], "no such copy"
         needs: dict[tuple[int, ...], set[tuple[int, int]]] = {}  # per kind of tensor: the pieces someone takes
         for t, (old, new) in enumerate(zip(self.old_classes, self.new_classes)):
             key = (id(old.boxes), id(new.boxes), id(new.of_coord))
             if key not in needs:
-                taken = np.unique(class_at(new.of_coord, self.placed))
+                taken = np.unique(new_of(new))
                 needs[key] = {(int(a), int(b)) for a, b in zip(*np.nonzero(self.pieces(old, new))) if b in taken}
                 _check_cover(self.tensors[t], old.boxes, new.boxes, taken)
-            assert pairs.get(t, set()) == needs[key], f"{self.tensors[t].key}: pieces without a flow, or flows without one"
+            got = pairs[bundle_of[t]] if t in bundle_of else set()
+            assert got == needs[key], f"{self.tensors[t].key}: pieces without a flow, or flows without one"
+
+
+class _ClassesAt:
+    """The class of each process (at `coords`) for tensors of one class array, worked out once."""
+
+    def __init__(self, coords: np.ndarray) -> None:
+        self.coords, self.cache = coords, {}
+
+    def __call__(self, classes: TensorClasses) -> np.ndarray:
+        key = id(classes.of_coord)
+        if key not in self.cache:
+            self.cache[key] = (classes.of_coord, class_at(classes.of_coord, self.coords), {})
+        return self.cache[key][1]
+
+    def members(self, classes: TensorClasses, cls: int) -> np.ndarray:
+        """The processes of class `cls`, in increasing order."""
+        of = self(classes)
+        found = self.cache[id(classes.of_coord)][2]
+        if cls not in found:
+            found[cls] = np.flatnonzero(of == cls)
+        return found[cls]
 
 
 def _check_cover(tensor: LogicalTensor, old: Sequence[Box], new: Sequence[Box], taken: np.ndarray) -> None:
     """The distinct old boxes do not overlap, and fill every new box some process takes."""
-    for x, y in itertools.combinations(old, 2):
-        assert x == y or x.intersect(y).empty, f"{tensor.key}: old pieces {x} and {y} overlap without being replicas"
-    distinct = set(old)
-    for b in taken.tolist():
-        if b != NOTHING and new[b] is not None:
-            got = sum(x.intersect(new[b]).numel for x in distinct if x is not None)
-            assert got == new[b].numel, f"{tensor.key}: pieces cover {got} of {new[b].numel} elements"
+    distinct = list(dict.fromkeys(x for x in old if x is not None))
+    shared = overlaps(distinct, distinct)
+    np.fill_diagonal(shared, 0)
+    assert not shared.any(), f"{tensor.key}: old pieces overlap without being replicas"
+    taken = [b for b in taken.tolist() if b != NOTHING and new[b] is not None]
+    if taken:
+        got = overlaps(distinct, [new[b] for b in taken]).sum(axis=0)
+        need = np.array([new[b].numel for b in taken])
+        assert (got == need).all(), f"{tensor.key}: pieces cover {got.tolist()} of {need.tolist()} elements"
 
 
 def _box(classes: TensorClasses, coord: int) -> Box | None:
