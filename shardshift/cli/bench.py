@@ -4,7 +4,7 @@
     shardshift bench switch --nproc 4 --suite               # online switch vs DCP vs restart vs the limit
     shardshift bench elastic --nproc 4 --suite              # joins, leaves, crashes vs restarts
     shardshift bench packing                                # tree packings vs their bounds
-    shardshift bench packing --scale --runs 3               # the same on 256-1,024 ranks
+    shardshift bench packing --scale --runs 3               # fat trees and rail clusters, 256-1,024 hosts
     shardshift bench collectives --op allreduce --nproc 4   # gloo vs ring vs trees vs auto
 
 `--plot FILE.png` (train, switch, collectives) also draws the report (`shardshift.plots.bench`).
@@ -276,10 +276,12 @@ def _add_packing(benches) -> None:
     p.add_argument("--limit", type=int, default=0, help="at most this many DGX-1 subsets (0: all)")
     p.add_argument("--skip-large", action="store_true", help="skip the 256-host multiplicative-weights case")
     p.add_argument("--scale", action="store_true",
-                   help="instead: multiplicative weights on 256-1,024 ranks of fat trees and rail clusters (minutes)")
-    p.add_argument("--ranks", default=None, help="--scale: sizes, e.g. 256,512,1024 (the default)")
+                   help="instead: multiplicative weights on fat trees and rail clusters of up to 1,024 hosts (minutes)")
     p.add_argument("--families", default=None,
-                   help="--scale: fat-tree, rails (a host per rank), rails-gpu (a rank per GPU); default all")
+                   help="--scale: fat-tree, rails (2 GPUs a host), rails-gpu (8 GPUs a host), rails-host "
+                        "(a rank per host, 8 NICs); default the first three")
+    p.add_argument("--hosts", default=None,
+                   help="--scale: numbers of hosts of every family, e.g. 256,512 (default: the family's own)")
     p.add_argument("--runs", type=int, default=None, help="--scale: solves of every row (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_packing)
@@ -300,17 +302,17 @@ def _packing_options(args: argparse.Namespace):
         raise ValueError(f"--ops {ops_text}: {err}") from None
     scale = {}
     if args.scale:
-        if args.ranks is not None:
+        if args.hosts is not None:
             try:
-                scale["ranks"] = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+                scale["hosts"] = tuple(int(h) for h in args.hosts.split(",") if h.strip())
             except ValueError:
-                raise ValueError(f"--ranks {args.ranks!r}: give sizes separated by commas, e.g. 256,512,1024") from None
+                raise ValueError(f"--hosts {args.hosts!r}: give numbers separated by commas, e.g. 256,512") from None
         if args.families is not None:
             scale["families"] = tuple(f.strip() for f in args.families.split(",") if f.strip())
         if args.runs is not None:
             scale["runs"] = args.runs
     else:
-        given = [flag for flag, value in (("--ranks", args.ranks), ("--families", args.families),
+        given = [flag for flag, value in (("--hosts", args.hosts), ("--families", args.families),
                                           ("--runs", args.runs)) if value is not None]  # fmt: skip
         if given:
             raise ValueError(f"{', '.join(given)} apply to --scale; add --scale")

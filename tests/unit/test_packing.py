@@ -28,9 +28,11 @@ from shardshift.collectives.planning.bounds import (
 )
 from shardshift.collectives.planning.ops import Collective, Direction
 from shardshift.collectives.planning.packing import Depth, Method, PackOptions, pack
+from shardshift.collectives.planning.rings import ring_packing, ring_rate
+from shardshift.collectives.planning.routing import RoutePricer
 from shardshift.collectives.topology.io import load_topology
 from shardshift.collectives.topology.model import Link, Topology
-from shardshift.collectives.topology.presets import dgx1v, fat_tree, full, ring
+from shardshift.collectives.topology.presets import cluster, dgx1v, fat_tree, full, ring
 
 UNIT = 25e9  # one NVLink, bytes/s
 EXACT = PackOptions(keep=1.0)  # no pruning: the LP optimum itself
@@ -119,6 +121,41 @@ def test_min_arborescence_matches_networkx(small, monkeypatch):
         assert tree_cost(cost, parent) == pytest.approx(best.size(weight="weight"))
         inward = min_in_tree(cost, root)
         assert tree_cost(cost, inward, inward=True) == pytest.approx(tree_cost(cost.T, inward))
+
+
+def test_dense_arborescence_on_graphs_past_the_list_version():
+    """Above `_SMALL` nodes one cycle is merged at a time (Tarjan's dense version); it must find
+    trees as cheap as networkx's, with many ties (integer costs) and with none."""
+    rng = np.random.default_rng(3)
+    for trial in range(6):
+        n = int(rng.integers(arborescence._SMALL + 1, 50))
+        cost = rng.integers(0, 3, size=(n, n)).astype(float) if trial % 2 else rng.random((n, n))
+        cost[rng.random((n, n)) < 0.5] = np.inf
+        cost[np.arange(n), (np.arange(n) + 1) % n] = 1.0  # a ring: every node reachable
+        graph = nx.DiGraph()
+        graph.add_weighted_edges_from((u, v, cost[u, v]) for u, v in zip(*np.nonzero(np.isfinite(cost)))
+                                      if u != v and v != 0)  # fmt: skip
+        best = nx.minimum_spanning_arborescence(graph).size(weight="weight")
+        parent = min_out_tree(cost, 0)
+        assert sorted(np.flatnonzero(parent < 0)) == [0] and np.all(np.isfinite(cost[parent[1:], np.arange(1, n)]))
+        assert tree_cost(cost, parent) == pytest.approx(best)
+        inward = min_in_tree(cost.T, 0)  # an in-tree of cost.T is an out-tree of cost
+        assert tree_cost(cost.T, inward, inward=True) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("topology", [random_topology(s, switches=1 + s % 3) for s in range(4)]
+                         + [cluster(3, hosts_per_leaf=2), cluster(2, gpus_per_host=4, nics_per_host=2)],
+                         ids=lambda t: t.name)  # fmt: skip
+def test_routes_are_the_cheapest_and_join_their_ends(topology):
+    prices = np.random.default_rng(topology.num_nodes).integers(1, 4, len(topology.links)).astype(float)
+    edge_prices = RoutePricer(topology).price(prices)
+    pairs = [(u, v) for u, v in itertools.permutations(range(topology.num_ranks), 2)
+             if np.isfinite(edge_prices.cost[u, v])]  # fmt: skip
+    for (u, v), route in zip(pairs, edge_prices.routes(pairs)):
+        ends = [(topology.links[i].src, topology.links[i].dst) for i in route]
+        assert ends[0][0] == u and ends[-1][1] == v and all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+        assert all(topology.is_switch(a) for a, _ in ends[1:])  # only switches relay
+        assert sum(prices[i] for i in route) == edge_prices.cost[u, v]
 
 
 def test_unreachable_node_is_reported():
@@ -276,9 +313,39 @@ def test_multiplicative_weights_is_close_to_the_lp(op):
     assert mwu.method == "mwu" and mwu.rate >= 0.95 * lp.rate
 
 
+def _valid_under_capacity(t: Topology, packing) -> None:
+    for tree in packing.trees:
+        tree.check_spans(t.num_ranks)
+    assert np.all(link_loads(t, packing) <= t.capacities() * (1 + 1e-6))
+
+
+@pytest.mark.parametrize(
+    "topology, allreduce_best",
+    [(fat_tree(64), allreduce_bound(fat_tree(64))),
+     # 3 hosts whose 8 GPUs share 2 NICs (100 GB/s a host): all-reducing across hosts takes
+     # 2·(3-1)/3 of the bytes through each host's NICs, so no algorithm beats 100 / (4/3) GB/s,
+     # below the cut bound (100 GB/s).
+     (cluster(3, nics_per_host=2, hosts_per_leaf=2), 75e9)],
+    ids=["fat-tree64", "cluster3x8-shared-nics"],
+)  # fmt: skip
+def test_multiplicative_weights_on_larger_networks(topology, allreduce_best):
+    """Broadcast within the 3% gap of its bound; all-reduce with its pieces rooted at one rank
+    within it of the best any algorithm can do (the LP's dual prices end the run where the cut
+    bound cannot be reached)."""
+    bcast = pack(topology, "broadcast", options=PackOptions(method=Method.MWU))
+    assert bcast.rate >= 0.97 * bcast.bound
+    _valid_under_capacity(topology, bcast)
+    allreduce = pack(topology, "allreduce", options=PackOptions(method=Method.MWU, roots=1))
+    assert allreduce.construction == "multiroot" and {t.root for t in allreduce.trees} == {0}
+    assert 0.97 * allreduce_best <= allreduce.rate <= allreduce_best * (1 + 1e-9)
+    _valid_under_capacity(topology, allreduce)
+
+
 @pytest.mark.parametrize(
     "call, needle",
     [
+        (lambda: PackOptions(roots=0), "roots=0: give a number of ranks >= 1"),
+        (lambda: pack(ring(3), "allreduce", options=PackOptions(roots=4)), "has 3 ranks; give at most 3"),
         (lambda: pack(dgx1v([0]), "broadcast"), "at least 2"),
         (lambda: pack(ring(3), "broadcast", root=3), "root=3 is not a rank"),
         (lambda: pack(dgx1v([0, 5], pcie=False), "allgather"), r"ranks \[1\] cannot be reached"),
@@ -347,6 +414,41 @@ def test_topo_pack_text_yaml_and_errors(tmp_path, capsys):
     code, _, err = _cli(["topo", "pack", "--preset", "ring", "--ranks", "6", "--op", "broadcast",
                          "--depth", "shallow"], capsys)  # fmt: skip
     assert code == 2 and "no spanning trees of depth <= 2" in err
+
+
+def test_ring_rate_is_the_ring_packings():
+    for topology in (dgx1v(), fat_tree(12, hosts_per_leaf=4), cluster(2)):
+        for op in OPS:
+            assert ring_rate(topology, op) == pytest.approx(ring_packing(topology, op).rate, rel=1e-12)
+
+
+def test_predicted_times_add_route_latencies():
+    """One leaf of 4 hosts: every route is host → leaf → host, 2 links of 1 us."""
+    from shardshift.bench.packing import predicted_seconds, ring_cost
+
+    t = fat_tree(4)
+    packing = pack(t, "broadcast", options=EXACT)
+    assert predicted_seconds(t, packing, 10**9) == pytest.approx(1e9 / packing.rate + 2e-6 * packing.depth)
+    rate, latency = ring_cost(t, Collective.ALLREDUCE)
+    assert rate == pytest.approx(4 * 12.5e9 / 6) and latency == pytest.approx(2 * 3 * 2e-6)
+    assert ring_cost(t, Collective.BROADCAST) == pytest.approx((12.5e9, 3 * 2e-6))
+
+
+def test_bench_packing_scale_small(capsys):
+    code, out, _ = _cli(["bench", "packing", "--scale", "--hosts", "4", "--families", "fat-tree,rails-gpu",
+                         "--json"], capsys)  # fmt: skip
+    rows = json.loads(out)["scale"]["rows"]
+    assert code == 0 and [(r["family"], r["ranks"], r["op"]) for r in rows] == [
+        ("fat-tree", 4, "broadcast"), ("fat-tree", 4, "allreduce"),
+        ("rails-gpu", 32, "broadcast"), ("rails-gpu", 32, "allreduce")]  # fmt: skip
+    for r in rows:
+        assert 0.9 <= r["ratio"] <= 1 + 1e-9 and r["num_trees"] >= 1 and r["solve_seconds"] >= 0
+        assert r["predicted_ms"] >= 2**30 / (r["rate_gbps"] * 1e6)  # 1 GiB at the packing's rate, in ms
+        assert r["rings_ms"] <= r["ring_ms"]
+    code, _, err = _cli(["bench", "packing", "--hosts", "4"], capsys)
+    assert code == 2 and "--hosts apply to --scale" in err
+    code, _, err = _cli(["bench", "packing", "--scale", "--ops", "allgather"], capsys)
+    assert code == 2 and "--scale packs broadcast, reduce, allreduce" in err
 
 
 def test_bench_packing_runs_small(capsys):

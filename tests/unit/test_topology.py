@@ -6,7 +6,7 @@ import pytest
 
 from shardshift.collectives.topology.io import load_topology, topology_from_dict
 from shardshift.collectives.topology.model import Link, Topology, pair_rates
-from shardshift.collectives.topology.presets import DGX1V_NVLINKS, dgx1v, fat_tree, full, preset, ring
+from shardshift.collectives.topology.presets import DGX1V_NVLINKS, cluster, dgx1v, fat_tree, full, preset, ring
 
 GB = 1e9
 
@@ -102,6 +102,79 @@ def test_preset_dispatch_and_errors():
         preset("torus")
     with pytest.raises(ValueError, match="its parameters are"):
         preset("ring", size=3)
+
+
+def _neighbours(t: Topology, node: int) -> list[str]:
+    return sorted(t.names[l.dst] for l in t.links if l.src == node)
+
+
+def test_cluster_with_rails():
+    """3 hosts of 8 GPUs, 2 hosts a leaf: 2 groups x 8 rail leaves, 2 spines (hosts_per_leaf)."""
+    t = cluster(3, hosts_per_leaf=2)
+    assert (t.num_ranks, t.num_switches) == (24, 3 + 16 + 2)
+    assert t.names[11] == "h1.gpu3" and t.link_unit == 50e9 and t.name == "cluster3x8-rails"
+    gpu, nvswitch, leaf = 11, t.names.index("h1.nvswitch"), t.names.index("leaf0.rail3")
+    assert _neighbours(t, gpu) == ["h1.nvswitch", "leaf0.rail3"]  # GPU 3 on NIC 3, rail 3
+    assert t.link(gpu, nvswitch).capacity == t.link(nvswitch, gpu).capacity == 450e9
+    assert t.link(gpu, nvswitch).latency == 2e-6 and t.link(gpu, leaf).latency == 5e-6
+    assert t.link(gpu, leaf).capacity == t.link(leaf, gpu).capacity == 50e9
+    assert _neighbours(t, t.names.index("leaf1.rail3")) == ["h2.gpu3", "spine0", "spine1"]
+    # GPU-NVSwitch and NIC-leaf cables, and every leaf to every spine, both ways.
+    assert len(t.links) == 2 * (24 + 24 + 16 * 2)
+    # Non-blocking: a leaf's uplinks carry what its hosts_per_leaf hosts' NICs can send it.
+    up = sum(l.capacity for l in t.links if l.src == leaf and t.names[l.dst].startswith("spine"))
+    assert up == t.out_capacity(leaf) - up == 2 * 50e9
+
+
+def test_cluster_without_rails_is_a_fat_tree_of_hosts():
+    t = cluster(4, hosts_per_leaf=2, spines=4, rails=False)
+    assert t.num_switches == 4 + 2 + 4 and t.name == "cluster4x8-fat-tree"
+    leaf = t.names.index("leaf1")
+    assert _neighbours(t, 16) == ["h2.nvswitch", "leaf1"]
+    assert sum(1 for l in t.links if l.dst == leaf and l.src < t.num_ranks) == 16  # 2 hosts x 8 NICs
+    assert t.link(leaf, t.names.index("spine3")).capacity == 16 * 50e9 / 4
+
+
+def test_cluster_shares_a_nic_between_gpus_and_gives_a_single_gpu_every_nic():
+    shared = cluster(2, gpus_per_host=4, nics_per_host=2, hosts_per_leaf=2)
+    nic = shared.names.index("h1.nic1")
+    assert _neighbours(shared, nic) == ["h1.gpu2", "h1.gpu3", "leaf0.rail1"]
+    rates = pair_rates(shared)
+    assert rates[(0, 4)] == 50e9 and rates[(0, 1)] == 450e9  # across hosts: one NIC
+    host = cluster(4, gpus_per_host=1, hosts_per_leaf=4)  # a rank per host, its 8 NICs on 8 rails
+    assert host.num_switches == 8 + 4 and _neighbours(host, 0) == [f"leaf0.rail{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"hosts": 0}, r"hosts=0: give an int >= 1"),
+        ({"hosts": 2, "gpus_per_host": 0}, r"gpus_per_host=0"),
+        ({"hosts": 2, "nics_per_host": 2.5}, r"nics_per_host=2.5"),
+        ({"hosts": 2, "nic_bandwidth": -1}, r"nic_bandwidth=-1: give a rate > 0"),
+        ({"hosts": 2, "intra_bandwidth": float("inf")}, r"intra_bandwidth=inf"),
+        ({"hosts": 2, "latency": -1e-6}, r"latency=-1e-06: give seconds >= 0"),
+        ({"hosts": 2, "rails": "yes"}, r"rails='yes': give true"),
+        ({"hosts": 4, "hosts_per_leaf": 2, "spines": 0}, r"16 leaves need spines >= 1"),
+        ({"hosts": 2, "gpus": 8}, r"its parameters are hosts, gpus_per_host"),
+    ],
+)
+def test_cluster_refuses_bad_parameters(params, needle):
+    with pytest.raises(ValueError, match=needle):
+        preset("cluster", **params)
+
+
+def test_shipped_cluster_file_reads_its_units(tmp_path):
+    t = load_topology("docs/topologies/cluster-dynatrain.yaml")
+    want = cluster(64, spines=16)
+    assert (t.num_ranks, t.num_switches, t.names) == (512, want.num_switches, want.names)
+    assert [(l.src, l.dst, l.capacity) for l in t.links] == [(l.src, l.dst, l.capacity) for l in want.links]
+    assert [l.latency for l in t.links] == pytest.approx([l.latency for l in want.links])
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: cluster\nhosts: 2\nnic_bandwidth: 200 Gbit/s\nintra_latency: 1 us\nrails: false\n")
+    small = load_topology(path)
+    assert small.link(0, 2 * 8 + 2).capacity == 25e9  # GPU 0 to the one leaf
+    assert small.link(0, 16).latency == pytest.approx(1e-6)  # GPU 0 to its NVSwitch
 
 
 # ---------------------------------------------------------------- YAML

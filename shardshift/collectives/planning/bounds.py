@@ -43,11 +43,8 @@ _INT_LIMIT = 2**31 - 1
 def broadcast_bound(topology: Topology, root: int) -> float:
     """Best broadcast rate from `root`, bytes/s: min over ranks v of maxflow(root → v)."""
     _check_root(topology, root)
-    cap = topology.capacity_matrix()
-    return min(
-        (_min_cut(cap, root, v)[0] for v in range(topology.num_ranks) if v != root),
-        default=math.inf,
-    )
+    network = _FlowNetwork(topology.capacity_matrix())
+    return min((network.max_flow(root, v) for v in range(topology.num_ranks) if v != root), default=math.inf)
 
 
 def reduce_bound(topology: Topology, root: int) -> float:
@@ -58,10 +55,8 @@ def reduce_bound(topology: Topology, root: int) -> float:
 
 def cut_bound(topology: Topology) -> float:
     """min_S B⁺(S) over node sets S that split the ranks: the global rank-to-rank min cut."""
-    cap = topology.capacity_matrix()
-    values = [
-        _min_cut(cap, a, b)[0] for v in range(1, topology.num_ranks) for a, b in ((0, v), (v, 0))
-    ]
+    network = _FlowNetwork(topology.capacity_matrix())
+    values = [network.max_flow(a, b) for v in range(1, topology.num_ranks) for a, b in ((0, v), (v, 0))]
     return min(values, default=math.inf)
 
 
@@ -89,8 +84,9 @@ def allgather_bound(topology: Topology) -> float:
             scaled[sigma, :n] = ratio
             target = n * ratio * (1 - 1e-12)
         best_value, best_side = None, None
+        network = _FlowNetwork(scaled.astype(float))
         for v in range(n):
-            value, side = _min_cut(scaled.astype(float), sigma, v)
+            value, side = network.min_cut(sigma, v)
             if best_value is None or value < best_value:
                 best_value, best_side = value, side
         if best_value >= target:
@@ -158,26 +154,39 @@ def _common_unit(cap: np.ndarray) -> float | None:
     return float(unit)
 
 
-def _min_cut(cap: np.ndarray, s: int, t: int) -> tuple[float, np.ndarray]:
-    """Max flow value s→t and the source side of a minimum cut (bool mask over nodes)."""
-    unit = _common_unit(cap)
-    if unit is not None:
-        ints = np.rint(cap / unit).astype(np.int64)
-        if ints.sum() <= _INT_LIMIT:
-            graph = sp.csr_array(ints.astype(np.int32))
-            result = maximum_flow(graph, s, t, method="dinic")
-            residual = sp.csr_array(ints - result.flow.toarray())
-            residual.data[residual.data < 0] = 0
-            residual.eliminate_zeros()
-            reach = breadth_first_order(residual, s, directed=True, return_predecessors=False)
-            side = np.zeros(cap.shape[0], dtype=bool)
-            side[reach] = True
-            return float(result.flow_value) * unit, side
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(cap.shape[0]))
-    for u, v in zip(*np.nonzero(cap)):
-        graph.add_edge(int(u), int(v), capacity=float(cap[u, v]))
-    value, (source_side, _) = nx.minimum_cut(graph, s, t)
-    side = np.zeros(cap.shape[0], dtype=bool)
-    side[list(source_side)] = True
-    return float(value), side
+class _FlowNetwork:
+    """Max flows between the nodes of one capacity matrix (nodes × nodes), the graph built once:
+    scipy's integer Dinic on a sparse graph when the capacities are multiples of a common unit
+    whose sum fits (exact), else networkx's float preflow-push."""
+
+    def __init__(self, cap: np.ndarray):
+        self.cap = cap
+        unit = _common_unit(cap)
+        ints = None if unit is None else np.rint(cap / unit).astype(np.int64)
+        if ints is None or ints.sum() > _INT_LIMIT:
+            self.unit, self.graph = None, nx.DiGraph()
+            self.graph.add_nodes_from(range(cap.shape[0]))
+            for u, v in zip(*np.nonzero(cap)):
+                self.graph.add_edge(int(u), int(v), capacity=float(cap[u, v]))
+        else:
+            self.unit, self.graph = unit, sp.csr_array(ints.astype(np.int32))
+
+    def max_flow(self, s: int, t: int) -> float:
+        """The max flow value s→t."""
+        if self.unit is None:
+            return float(nx.maximum_flow_value(self.graph, s, t))
+        return float(maximum_flow(self.graph, s, t, method="dinic").flow_value) * self.unit
+
+    def min_cut(self, s: int, t: int) -> tuple[float, np.ndarray]:
+        """Max flow value s→t and the source side of a minimum cut (bool mask over nodes)."""
+        side = np.zeros(self.cap.shape[0], dtype=bool)
+        if self.unit is None:
+            value, (source_side, _) = nx.minimum_cut(self.graph, s, t)
+            side[list(source_side)] = True
+            return float(value), side
+        result = maximum_flow(self.graph, s, t, method="dinic")
+        residual = (self.graph - result.flow).tocsr()
+        residual.data[residual.data < 0] = 0
+        residual.eliminate_zeros()
+        side[breadth_first_order(residual, s, directed=True, return_predecessors=False)] = True
+        return float(result.flow_value) * self.unit, side

@@ -15,6 +15,7 @@ ring link carries the same load, so the ring is as fast as its slowest link.
 
 `best_ring(topology)` picks, among all rings (n <= 8; rank order beyond), one whose slowest link is
 fastest, preferring rank order on ties: what NCCL and gloo would build on a uniform network.
+`ring_rate` gives a ring's rate without building its trees (2n chains of n-1 edges for all-reduce).
 """
 
 from __future__ import annotations
@@ -61,9 +62,7 @@ def ring_packing(topology: Topology, op: Collective | str, root: int = 0,
     order = tuple(best_ring(topology) if order is None else order)
     if sorted(order) != list(range(n)):
         raise ValueError(f"ring order {order} must list every rank 0..{n - 1} once")
-    c = ring_bottleneck(topology, order)
-    if c <= 0:
-        raise ValueError(f"ring {order} crosses a pair with no point-to-point route on {topology.name}")
+    c = _bottleneck(topology, order)
 
     def chain_from(r: int) -> tuple[tuple[int, int], ...]:
         i = order.index(r)
@@ -75,26 +74,51 @@ def ring_packing(topology: Topology, op: Collective | str, root: int = 0,
         walk = [order[(i + 1 + k) % n] for k in range(n)]  # starts after r, ends at r
         return tuple(zip(walk, walk[1:]))
 
+    rate = _uncapped_rate(op, n, c)
+    w = rate if op.rooted else rate / n  # the rate of each chain (each pair for all-reduce)
     if op is Collective.BROADCAST:
-        trees, rate = (Tree(root, Direction.OUT, chain_from(root), c),), c
+        trees = (Tree(root, Direction.OUT, chain_from(root), w),)
     elif op is Collective.REDUCE:
-        trees, rate = (Tree(root, Direction.IN, chain_into(root), c),), c
+        trees = (Tree(root, Direction.IN, chain_into(root), w),)
     elif op is Collective.ALLGATHER:
-        w = c / (n - 1)
-        trees, rate = tuple(Tree(r, Direction.OUT, chain_from(r), w) for r in range(n)), n * w
+        trees = tuple(Tree(r, Direction.OUT, chain_from(r), w) for r in range(n))
     elif op is Collective.REDUCESCATTER:
-        w = c / (n - 1)
-        trees, rate = tuple(Tree(r, Direction.IN, chain_into(r), w) for r in range(n)), n * w
+        trees = tuple(Tree(r, Direction.IN, chain_into(r), w) for r in range(n))
     else:
-        w = c / (2 * (n - 1))
         trees = tuple(t for r in range(n) for t in (Tree(r, Direction.IN, chain_into(r), w),
                                                       Tree(r, Direction.OUT, chain_from(r), w)))  # fmt: skip
-        rate = n * w
     bound = collective_bound(topology, op, root)
-    # Pair rates ignore links shared through switches, so a ring can look faster than the bound
-    # there; it cannot really be, so scale the (informational) weights down to it.
-    scale = min(1.0, bound / rate)
+    scale = _capped(rate, bound) / rate  # scale the (informational) weights down to the bound
     trees = tuple(Tree(t.root, t.direction, t.edges, t.weight * scale) for t in trees)
     return Packing(op=op, num_ranks=n, trees=trees, rate=rate * scale, bound=bound, solve_seconds=0.0,
                    root=root if op.rooted else None, method="ring", construction="ring",
                    topology_name=topology.name)  # fmt: skip
+
+
+def ring_rate(topology: Topology, op: Collective | str, root: int = 0, order: tuple[int, ...] | None = None) -> float:
+    """The rate (algbw, bytes/s) of `ring_packing(topology, op, root, order)`, its trees not built."""
+    op = Collective.parse(op)
+    n = topology.num_ranks
+    order = tuple(best_ring(topology) if order is None else order)
+    rate = _uncapped_rate(op, n, _bottleneck(topology, order))
+    return _capped(rate, collective_bound(topology, op, root))
+
+
+def _uncapped_rate(op: Collective, n: int, c: float) -> float:
+    """The ring's rate with slowest link c (module docstring)."""
+    if op.rooted:
+        return c
+    return n * c / (n - 1) if op.sharded else n * c / (2 * (n - 1))
+
+
+def _bottleneck(topology: Topology, order: tuple[int, ...]) -> float:
+    c = ring_bottleneck(topology, order)
+    if c <= 0:
+        raise ValueError(f"ring {order} crosses a pair with no point-to-point route on {topology.name}")
+    return c
+
+
+def _capped(rate: float, bound: float) -> float:
+    """Pair rates ignore links shared through switches, so a ring can look faster than the bound
+    there; it cannot really be, so its rate is capped at the bound."""
+    return min(rate, bound)

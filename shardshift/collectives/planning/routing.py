@@ -43,70 +43,153 @@ class TreeColumn:
 
 
 class RoutePricer:
-    """Prices rank→rank edges from link prices and builds routed trees (see module docstring)."""
+    """Prices rank→rank edges from link prices and builds routed trees (see module docstring).
+
+    Built for large networks, where a rank has links to a few switches only (its leaf, its host's
+    NVSwitch): the price of a route through switches is taken over the switches each rank can
+    enter and leave by, never over all pairs of switches (which would be ranks² × switches), and
+    switch-to-switch distances are computed among the *core* switches only, those linked to
+    another switch (leaves and spines; a host's NVSwitch sees ranks only).
+    """
 
     def __init__(self, topology: Topology):
         self.topology = topology
-        n, n_nodes = topology.num_ranks, topology.num_nodes
-        self.num_ranks, self.num_switches = n, topology.num_switches
-        self.link_of = np.full((n_nodes, n_nodes), -1)  # link id of u→v, -1 when none
-        for i, link in enumerate(topology.links):
-            self.link_of[link.src, link.dst] = i
-        self._src = np.array([l.src for l in topology.links], dtype=int)
-        self._dst = np.array([l.dst for l in topology.links], dtype=int)
+        n, s = topology.num_ranks, topology.num_switches
+        self.num_ranks, self.num_switches = n, s
+        links = topology.links
+        src = np.array([l.src for l in links], dtype=int)
+        dst = np.array([l.dst for l in links], dtype=int)
+        self._direct = np.flatnonzero((src < n) & (dst < n))  # rank → rank links
+        self._direct_ends = (src[self._direct], dst[self._direct])
+        self._trunks = np.flatnonzero((src >= n) & (dst >= n))  # switch → switch links
+        self._trunk_ends = (src[self._trunks] - n, dst[self._trunks] - n)
+        self._core = np.unique(np.r_[self._trunk_ends])  # switches linked to switches
+        # Per rank, the switches it can enter (links u→a) and leave (links b→v) by, ascending, as
+        # padded (ranks, k) tables of switch and link ids; padding has link id -1.
+        self.up = _attachments(src, dst, n, s, outgoing=True)
+        self.down = _attachments(src, dst, n, s, outgoing=False)
 
     def price(self, link_prices: np.ndarray) -> EdgePrices:
         """Cheapest route price of every rank pair under `link_prices` (shape (num_links,), >= 0)."""
         n, s = self.num_ranks, self.num_switches
-        p = np.full((n + s, n + s), np.inf)
-        p[self._src, self._dst] = link_prices
-        direct = p[:n, :n]
+        prices = np.asarray(link_prices, dtype=float)
+        cost = np.full((n, n), np.inf)  # the direct links first
+        cost[self._direct_ends] = prices[self._direct]
         if s == 0:
-            return EdgePrices(self, direct.copy(), None, None, None, None)
-        dist = p[n:, n:].copy()  # (s, s) switch-to-switch, through switches only
+            return EdgePrices(self, prices, cost, None, None, None, None)
+        dist, middle = self._switch_distances(prices)
+        # reach[u, b]: cheapest from rank u into switch b; via[u, v]: from u through switches to v.
+        reach = _cheapest(entering[:, None] + dist[a] for a, entering in self._attached(self.up, prices))
+        via = _cheapest(reach[:, b] + leaving[None, :] for b, leaving in self._attached(self.down, prices))
+        np.minimum(via, cost, out=cost)
+        return EdgePrices(self, prices, cost, via, reach, dist, middle)
+
+    def _attached(self, table: tuple[np.ndarray, np.ndarray], prices: np.ndarray):
+        """(switch, link price) of every rank's j-th attached switch, for each j."""
+        for switches, links in zip(table[0].T, table[1].T):
+            yield switches, _priced(links, prices)
+
+    def _switch_distances(self, prices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dist, middle): cheapest switch-to-switch prices through switches only, (s, s), and an
+        intermediate switch of each best path (-1: the direct switch link). Floyd–Warshall over
+        the core switches; a switch linked to ranks only is on no switch-to-switch path."""
+        s, core = self.num_switches, self._core
+        dist = np.full((s, s), np.inf)
+        dist[self._trunk_ends] = prices[self._trunks]
         np.fill_diagonal(dist, 0.0)
-        middle = np.full((s, s), -1)  # Floyd–Warshall: an intermediate switch of the best path
-        for k in range(s):
-            alt = dist[:, k : k + 1] + dist[k : k + 1, :]
-            better = alt < dist
+        middle = np.full((s, s), -1)
+        sub = dist[np.ix_(core, core)]
+        sub_middle = np.full(sub.shape, -1)
+        for i, k in enumerate(core):
+            # Only pairs that reach k and that k reaches can improve: in a leaf-spine network a
+            # leaf's step touches the spines only.
+            rows, cols = np.flatnonzero(sub[:, i] < np.inf), np.flatnonzero(sub[i] < np.inf)
+            block = np.s_[:, :] if len(rows) == len(cols) == len(core) else np.ix_(rows, cols)
+            alt = sub[rows, i][:, None] + sub[i, cols][None, :]
+            better = alt < sub[block]
             if better.any():
-                dist = np.where(better, alt, dist)
-                middle = np.where(better, k, middle)
-        up, down = p[:n, n:], p[n:, :n]  # (n, s) rank→switch, (s, n) switch→rank
-        into = up[:, :, None] + dist[None, :, :]  # (n, a, b): enter at a, reach b
-        first = np.argmin(into, axis=1)  # (n, s) best entry switch a for each (u, b)
-        reach = np.min(into, axis=1)  # (n, s)
-        out = reach[:, :, None] + down[None, :, :]  # (n, b, v): leave from b to v
-        last = np.argmin(out, axis=1)  # (n, n) best exit switch b for (u, v)
-        via = np.min(out, axis=1)  # (n, n)
-        use_switch = via < direct  # ties go to the direct link
-        cost = np.where(use_switch, via, direct)
-        return EdgePrices(self, cost, use_switch, first, last, middle)
+                sub[block] = np.where(better, alt, sub[block])
+                sub_middle[block] = np.where(better, k, sub_middle[block])
+        dist[np.ix_(core, core)] = sub
+        middle[np.ix_(core, core)] = sub_middle
+        return dist, middle
+
+
+def _priced(links: np.ndarray, prices: np.ndarray) -> np.ndarray:
+    """The price of every link id in `links`; inf for -1 (no link)."""
+    return np.where(links >= 0, prices[links], np.inf)
+
+
+def _cheapest(candidates) -> np.ndarray:
+    """The elementwise minimum of the arrays `candidates` yields."""
+    best = None
+    for candidate in candidates:
+        best = candidate if best is None else np.minimum(best, candidate)
+    return best
+
+
+def _attachments(src: np.ndarray, dst: np.ndarray, n: int, s: int, outgoing: bool):
+    """(switches, links): per rank, the switches it has a link to (outgoing) or from, ascending,
+    padded to a (ranks, k) table; padding repeats switch 0 with link id -1."""
+    rank, switch = (src, dst) if outgoing else (dst, src)
+    ids = np.flatnonzero((rank < n) & (switch >= n))
+    ids = ids[np.lexsort((switch[ids], rank[ids]))]  # by rank, then switch
+    counts = np.bincount(rank[ids], minlength=n)
+    width = max(1, int(counts.max(initial=0)))
+    slot = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+    switches = np.zeros((n, width), dtype=int)
+    links = np.full((n, width), -1)
+    switches[rank[ids], slot] = switch[ids] - n
+    links[rank[ids], slot] = ids
+    return switches, links
 
 
 @dataclass(frozen=True, eq=False)
 class EdgePrices:
-    """Output of `RoutePricer.price`: cost[u, v] of every rank pair and how to route it."""
+    """Output of `RoutePricer.price`: cost[u, v] of every rank pair, and what `route` needs to
+    find the route of the few pairs a tree uses (only those are worked out)."""
 
     pricer: RoutePricer
+    prices: np.ndarray  # (links,) the link prices
     cost: np.ndarray  # (n, n), inf where u cannot reach v without passing another rank
-    use_switch: np.ndarray | None  # (n, n) bool: route through switches (else the direct link)
-    first: np.ndarray | None  # (n, s) entry switch for (u, exit switch)
-    last: np.ndarray | None  # (n, n) exit switch for (u, v)
+    via: np.ndarray | None  # (n, n) the cheapest route through switches (None: there are none)
+    reach: np.ndarray | None  # (n, s) the cheapest from rank u into switch b
+    dist: np.ndarray | None  # (s, s) switch to switch, through switches only
     middle: np.ndarray | None  # (s, s) Floyd–Warshall intermediate, -1 = direct switch link
 
-    def route(self, u: int, v: int) -> tuple[int, ...]:
-        """Link ids of the cheapest route from rank u to rank v."""
-        pr = self.pricer
-        if self.use_switch is None or not self.use_switch[u, v]:
-            link = pr.link_of[u, v]
-            assert link >= 0, f"no route {u}->{v}"
-            return (int(link),)
-        n = pr.num_ranks
-        b = int(self.last[u, v])
-        a = int(self.first[u, b])
-        nodes = [u] + [n + x for x in self._switch_path(a, b)] + [v]
-        return tuple(int(pr.link_of[x, y]) for x, y in zip(nodes, nodes[1:]))
+    def routes(self, edges: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+        """Link ids of the cheapest route of every edge (u, v): the direct link when it is no
+        dearer than the switches, else through the switches, entering and leaving them at the
+        lowest-numbered switches among equals. Worked out for these edges only, together."""
+        topology, n = self.pricer.topology, self.pricer.num_ranks
+        tails = np.array([u for u, _ in edges], dtype=int)
+        heads = np.array([v for _, v in edges], dtype=int)
+        direct = np.array([topology.link_id(u, v) for u, v in edges], dtype=int)
+        if self.via is None:
+            through = np.zeros(len(edges), dtype=bool)
+        else:
+            through = self.via[tails, heads] < _priced(direct, self.prices)
+            entries, exits = self._switch_ends(tails, heads)
+        assert np.all(through | (direct >= 0)), "an edge has no route"
+        out = []
+        for i, (u, v) in enumerate(edges):
+            if not through[i]:
+                out.append((int(direct[i]),))
+                continue
+            nodes = [u] + [n + x for x in self._switch_path(int(entries[i]), int(exits[i]))] + [v]
+            out.append(tuple(topology.link_id(x, y) for x, y in zip(nodes, nodes[1:])))
+        return out
+
+    def _switch_ends(self, tails: np.ndarray, heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(entry, exit) switch of the cheapest route through switches of every edge: the exit b
+        minimises reach[u, b] + p(b→v), then the entry a p(u→a) + dist(a, b) (argmin: the first
+        of a rank's ascending switches among equals)."""
+        pr, rows = self.pricer, np.arange(len(tails))
+        switches, links = pr.down[0][heads], pr.down[1][heads]  # (edges, k)
+        exits = switches[rows, np.argmin(self.reach[tails[:, None], switches] + _priced(links, self.prices), axis=1)]
+        switches, links = pr.up[0][tails], pr.up[1][tails]
+        entries = switches[rows, np.argmin(_priced(links, self.prices) + self.dist[switches, exits[:, None]], axis=1)]
+        return entries, exits
 
     def _switch_path(self, a: int, b: int) -> list[int]:
         if a == b:
@@ -134,7 +217,7 @@ class EdgePrices:
             edges = [(v, int(parent[v])) for v in range(len(parent)) if parent[v] >= 0]
         edges.sort()
         price = float(sum(self.cost[u, v] for u, v in edges))
-        return make_column(root, direction, edges, [self.route(u, v) for u, v in edges]), price
+        return make_column(root, direction, edges, self.routes(edges)), price
 
 
 def make_column(

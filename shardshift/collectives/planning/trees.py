@@ -55,13 +55,15 @@ class Tree:
         parent = self.parent()
         if len(parent) != num_ranks - 1 or self.root in parent:
             raise ValueError(f"{where}: every rank but the root needs exactly one parent edge")
+        connected = {self.root}  # each rank's walk stops at one already known to reach the root
         for v in range(num_ranks):
-            seen, u = set(), v
-            while u != self.root:
-                if u in seen or u not in parent:
+            walk, u = set(), v
+            while u not in connected:
+                if u not in parent or u in walk:
                     raise ValueError(f"{where}: rank {v} is not connected to the root")
-                seen.add(u)
+                walk.add(u)
                 u = parent[u]
+            connected |= walk
 
     def levels(self) -> dict[int, int]:
         """OUT: depth (root 0, its children 1, …). IN: height (leaves 0, parent = 1 + max child)."""

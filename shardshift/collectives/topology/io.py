@@ -2,8 +2,8 @@
 
 Two forms of file:
 
-    preset: dgx1v            # a named preset and its parameters
-    gpus: [0, 1, 2, 3]
+    preset: dgx1v            # a named preset and its parameters (keys ending in "bandwidth"
+    gpus: [0, 1, 2, 3]       # are rates, keys ending in "latency" durations)
     pcie: false
 
     name: lab                # or nodes and links spelled out
@@ -51,9 +51,11 @@ def topology_from_dict(data: Mapping) -> Topology:
         raise ValueError("the top level must be a mapping with 'preset' or 'ranks' and 'links'")
     if "preset" in data:
         params = {k: v for k, v in data.items() if k != "preset"}
-        for key, value in params.items():
+        for key, value in params.items():  # rates and durations may be written with units
             if key.endswith("bandwidth"):
                 params[key] = parse_rate(value)
+            elif key.endswith("latency"):
+                params[key] = parse_duration(value)
         name = str(data["preset"])
         if name.replace("_", "-").lower() not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")

@@ -1,4 +1,5 @@
-"""Named topologies: `dgx1v` (with any GPU subset), `ring`, `full`, and a two-level `fat-tree`.
+"""Named topologies: `dgx1v` (with any GPU subset), `ring`, `full`, a two-level `fat-tree`, and a
+GPU `cluster` (hosts of GPUs behind an NVSwitch, NICs on rail-optimised or plain leaves, spines).
 
 Every preset returns a `Topology` whose compute ranks are numbered 0..k-1; for `dgx1v` the ranks
 follow the order of the `gpus` argument (rank i is GPU gpus[i]), and the node names keep the
@@ -18,6 +19,7 @@ stated.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 
 from shardshift.collectives.topology.model import Link, Topology
@@ -84,6 +86,16 @@ def dgx1v(
 def _check_count(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r}: give an int >= {minimum}")
+
+
+def _check_rate(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r}: give a rate > 0 in bytes/s, or in YAML e.g. '400 Gbit/s'")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}={value!r}: give seconds >= 0, or in YAML e.g. '5 us'")
 
 
 def ring(n: int, *, bandwidth: float = 125e6, latency: float = 0.0, bidirectional: bool = True) -> Topology:
@@ -153,11 +165,127 @@ def fat_tree(
     )
 
 
+# `cluster` defaults: an H100/H200-class host (8 GPUs, NVLink through NVSwitch, 8 x 400 Gbit/s NICs).
+CLUSTER_INTRA_BANDWIDTH = 450e9  # bytes/s per GPU to its host's NVSwitch, each direction
+CLUSTER_NIC_BANDWIDTH = 50e9  # bytes/s per NIC, each direction (400 Gbit/s)
+CLUSTER_INTRA_LATENCY = 2e-6  # seconds per link inside a host
+CLUSTER_LATENCY = 5e-6  # seconds per network link (NIC to leaf, leaf to spine)
+
+
+def cluster(
+    hosts: int,
+    *,
+    gpus_per_host: int = 8,
+    intra_bandwidth: float = CLUSTER_INTRA_BANDWIDTH,
+    intra_latency: float = CLUSTER_INTRA_LATENCY,
+    nics_per_host: int = 8,
+    nic_bandwidth: float = CLUSTER_NIC_BANDWIDTH,
+    hosts_per_leaf: int = 16,
+    spines: int | None = None,
+    rails: bool = True,
+    latency: float = CLUSTER_LATENCY,
+) -> Topology:
+    """A GPU cluster: `hosts` hosts of `gpus_per_host` GPUs, the GPUs being the ranks
+    (rank = host * gpus_per_host + gpu).
+
+    Inside a host every GPU links to the host's NVSwitch (a switch node; none for one GPU) at
+    `intra_bandwidth` each way. GPUs and NICs pair up in proportion: GPU g uses NIC
+    g * nics_per_host // gpus_per_host, and when a host has more NICs than GPUs, NIC i serves GPU
+    i * gpus_per_host // nics_per_host (one GPU with 8 NICs models a host as one rank). A NIC
+    serving one GPU is that GPU's link to its leaf; a NIC shared by several GPUs is a switch node
+    between them and the leaf, linked to each at `nic_bandwidth` (the NIC, not PCIe, is what limits).
+
+    Hosts form groups of `hosts_per_leaf`. With `rails` (rail-optimised), NIC i of every host of a
+    group connects to that group's rail-i leaf; without, all of a host's NICs go to the group's one
+    leaf (a plain fat tree). Every leaf links to every spine with a full share of its host-facing
+    capacity (hosts_per_leaf NICs' worth, divided among the `spines`), so the network never blocks;
+    `spines` defaults to hosts_per_leaf, and there are none when there is one leaf. Links inside a
+    host take `intra_latency`, network links (NIC to leaf, leaf to spine) `latency`.
+    """
+    for name, value, minimum in (("hosts", hosts, 1), ("gpus_per_host", gpus_per_host, 1),
+                                 ("nics_per_host", nics_per_host, 1), ("hosts_per_leaf", hosts_per_leaf, 1)):
+        _check_count(name, value, minimum)
+    for name, value in (("intra_bandwidth", intra_bandwidth), ("nic_bandwidth", nic_bandwidth)):
+        _check_rate(name, value)
+    for name, value in (("intra_latency", intra_latency), ("latency", latency)):
+        _check_seconds(name, value)
+    if not isinstance(rails, bool):
+        raise ValueError(f"rails={rails!r}: give true (rail-optimised leaves) or false (one leaf per host group)")
+    groups = -(-hosts // hosts_per_leaf)
+    leaves_per_group = nics_per_host if rails else 1
+    num_leaves = groups * leaves_per_group
+    if spines is None:
+        spines = hosts_per_leaf if num_leaves > 1 else 0
+    _check_count("spines", spines, 0)
+    if num_leaves > 1 and spines == 0:
+        raise ValueError(f"{num_leaves} leaves need spines >= 1 to reach each other")
+    net = _Network([f"h{h}.gpu{g}" for h in range(hosts) for g in range(gpus_per_host)])
+    pairs = _gpu_nic_pairs(gpus_per_host, nics_per_host)
+    ports = []  # per host: (node that cables NIC i to its leaf, i)
+    for h in range(hosts):
+        gpus = [h * gpus_per_host + g for g in range(gpus_per_host)]
+        if gpus_per_host > 1:
+            nvswitch = net.switch(f"h{h}.nvswitch")
+            for gpu in gpus:
+                net.cable(gpu, nvswitch, intra_bandwidth, intra_latency)
+        if nics_per_host < gpus_per_host:  # shared NICs are nodes between their GPUs and the leaf
+            nics = [net.switch(f"h{h}.nic{i}") for i in range(nics_per_host)]
+            for g, i in pairs:
+                net.cable(gpus[g], nics[i], nic_bandwidth, intra_latency)
+            ports.append(list(zip(nics, range(nics_per_host))))
+        else:
+            ports.append([(gpus[g], i) for g, i in pairs])
+    leaves = [[net.switch(f"leaf{group}.rail{rail}" if rails else f"leaf{group}") for rail in range(leaves_per_group)]
+              for group in range(groups)]  # fmt: skip
+    for h, host_ports in enumerate(ports):
+        for node, i in host_ports:
+            net.cable(node, leaves[h // hosts_per_leaf][i if rails else 0], nic_bandwidth, latency)
+    spine_nodes = [net.switch(f"spine{k}") for k in range(spines)]
+    # Non-blocking: a leaf's uplinks together carry what its hosts_per_leaf hosts' NICs can send it.
+    uplink = hosts_per_leaf * nics_per_host / leaves_per_group * nic_bandwidth / max(spines, 1)
+    for leaf in (leaf for group in leaves for leaf in group):
+        for spine in spine_nodes:
+            net.cable(leaf, spine, uplink, latency)
+    kind = "rails" if rails else "fat-tree"
+    return net.topology(link_unit=float(nic_bandwidth), name=f"cluster{hosts}x{gpus_per_host}-{kind}")
+
+
+class _Network:
+    """Nodes and links of a preset being built: ranks first, then switches in the order added.
+    Cables between the same two nodes add up to one link each way (parallel links are one link)."""
+
+    def __init__(self, rank_names: list[str]):
+        self.names = list(rank_names)
+        self.num_ranks = len(self.names)
+        self.links: dict[tuple[int, int], list[float]] = {}  # (src, dst) -> [capacity, latency]
+
+    def switch(self, name: str) -> int:
+        self.names.append(name)
+        return len(self.names) - 1
+
+    def cable(self, a: int, b: int, capacity: float, latency: float) -> None:
+        for pair in ((a, b), (b, a)):
+            self.links.setdefault(pair, [0.0, latency])[0] += capacity
+
+    def topology(self, link_unit: float, name: str) -> Topology:
+        links = tuple(Link(a, b, cap, lat) for (a, b), (cap, lat) in sorted(self.links.items()))
+        return Topology(self.num_ranks, links, len(self.names) - self.num_ranks, tuple(self.names),
+                        link_unit=link_unit, name=name)  # fmt: skip
+
+
+def _gpu_nic_pairs(gpus: int, nics: int) -> list[tuple[int, int]]:
+    """(gpu, nic) pairs of one host, paired in proportion (see `cluster`)."""
+    if nics <= gpus:
+        return [(g, g * nics // gpus) for g in range(gpus)]
+    return [(i * gpus // nics, i) for i in range(nics)]
+
+
 PRESETS: dict[str, Callable[..., Topology]] = {
     "dgx1v": dgx1v,
     "ring": ring,
     "full": full,
     "fat-tree": fat_tree,
+    "cluster": cluster,
 }
 
 

@@ -61,6 +61,7 @@ def mwu_columns(
     check_every: int | None = None,
     min_progress: float | None = None,
     push_all: bool = False,
+    price_bound: bool = False,
 ) -> MWURun:
     """Run Garg–Könemann until a value >= (1 - gap) × upper bound is certified, or the limits.
 
@@ -72,6 +73,11 @@ def mwu_columns(
     push_all: push every family's cheapest bundle each round, not only the cheapest overall (for
     the packing problem this finds columns faster, which is all a warm start needs; it is no
     longer Garg–Könemann's rule, but the bound and the feasible value stay valid).
+    price_bound: at every check also price the columns under the re-weighting LP's duals, whose
+    weak-duality bound is tight once the columns are nearly optimal, where the one from the
+    lengths stays loose. Without it a run whose max-flow `target` cannot be reached (all-reduce
+    on a rail cluster, where the hosts' NICs bind first) only ends at its time limit, the value
+    long flat. When `target` is the optimum, the bound cannot go below it and changes nothing.
     """
     if not 0 < epsilon < 1 or not 0 <= gap < 1:
         raise ValueError(f"need 0 < epsilon < 1 and 0 <= gap < 1, got epsilon={epsilon}, gap={gap}")
@@ -111,13 +117,16 @@ def mwu_columns(
             break
         if check_every and rounds % check_every == 0:
             last = reweighted.value if reweighted is not None else 0.0
-            reweighted, reweighted_at = _reweigh(problem, columns), rounds
+            reweighted, dual_bound = _reweigh(problem, columns, price_bound)
+            reweighted_at = rounds
+            upper = min(upper, dual_bound)
+            goal = (1 - gap) * min(upper, target)
             if reweighted.value / problem.scale >= goal or (
                 min_progress is not None and reweighted.value < last * (1 + min_progress)
             ):
                 break
     if check_every and reweighted_at != rounds:
-        reweighted = _reweigh(problem, columns)
+        reweighted, _ = _reweigh(problem, columns, False)
     return MWURun(
         tuple(b for b, _ in columns.values()),
         tuple(f for _, f in columns.values()),
@@ -128,8 +137,16 @@ def mwu_columns(
     )
 
 
-def _reweigh(problem: PackingProblem, columns: dict) -> LPResult:
-    return restricted_value(problem, [b for b, _ in columns.values()], [f for _, f in columns.values()])
+def _reweigh(problem: PackingProblem, columns: dict, price_bound: bool) -> tuple[LPResult, float]:
+    """The columns re-weighted by the restricted LP, and the bound its duals certify (normalised
+    units; inf unless `price_bound`)."""
+    bundles, families = [b for b, _ in columns.values()], [f for _, f in columns.values()]
+    if not price_bound:
+        return restricted_value(problem, bundles, families), np.inf
+    result, prices = restricted_value(problem, bundles, families, with_prices=True)
+    if prices is None:
+        return result, np.inf
+    return result, problem.bound_from_prices(prices, [cost for _, cost in problem.cheapest(prices)])
 
 
 def multiplicative_weights(
@@ -139,8 +156,10 @@ def multiplicative_weights(
     max_seconds: float = 25.0,
     target: float = np.inf,
 ) -> LPResult:
-    """Approximate the master LP: Garg–Könemann columns, re-weighted by restricted LPs."""
-    run = mwu_columns(problem, epsilon, gap, max_seconds=max_seconds, target=target, check_every=25)
+    """Approximate the master LP: Garg–Könemann columns, re-weighted by restricted LPs every 25
+    rounds, until within `gap` of the best upper bound (see `mwu_columns`, `price_bound`)."""
+    run = mwu_columns(problem, epsilon, gap, max_seconds=max_seconds, target=target, check_every=25,
+                      price_bound=True)  # fmt: skip
     reweighted = run.reweighted
     return LPResult(
         reweighted.bundles,

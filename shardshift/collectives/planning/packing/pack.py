@@ -91,6 +91,10 @@ class PackOptions:
     tol: float = 1e-6  # column generation stops within this relative gap of optimal
     max_seconds: float = 60.0  # per LP / MWU solve
     depth: Depth = Depth.AUTO
+    # All-reduce: root the pieces at this many ranks, spread evenly (None: at every rank). Fewer
+    # roots leave out rs+ag (it roots a piece at every rank) and cut the work of a round, which
+    # prices a tree pair per root: on 1,024 ranks, every rank is 2,048 arborescences a round.
+    roots: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -101,6 +105,9 @@ class PackOptions:
             raise ValueError(f"max_trees={self.max_trees}: give at least 1 (or None for no cap)")
         if not 0 < self.tol < 0.1:
             raise ValueError(f"tol={self.tol}: give a small relative gap such as 1e-6")
+        if self.roots is not None and (isinstance(self.roots, bool) or not isinstance(self.roots, int)
+                                       or self.roots < 1):
+            raise ValueError(f"roots={self.roots!r}: give a number of ranks >= 1 (or None: every rank)")
 
 
 def pack(
@@ -119,8 +126,11 @@ def pack(
                          f"give max_trees >= {fewest}")  # fmt: skip
     if op.rooted:
         check_reachable(topology, [root], _DIRECTIONS[op][0])
-    else:
-        check_reachable(topology, range(n), Direction.OUT)  # every rank must reach every other
+    else:  # every rank must reach every other: all from rank 0, and rank 0 from all
+        check_reachable(topology, [0], Direction.OUT)
+        check_reachable(topology, [0], Direction.IN)
+    if options.roots is not None and options.roots > n:
+        raise ValueError(f"roots={options.roots}: {topology.name} has {n} ranks; give at most {n}")
     if options.depth is Depth.SHALLOW and n > SHALLOW_MAX_RANKS:
         raise ValueError(f"depth='shallow' is solved for up to {SHALLOW_MAX_RANKS} ranks, not {n}; "
                          "use depth='any' or 'auto'")  # fmt: skip
@@ -177,7 +187,11 @@ def _constructions(topology: Topology, op: Collective, root: int, options: PackO
         families = [Family(r, (direction,)) for r in range(n)]
         trees = _trees(topology, solve("forest", families, True, bound / n))
         return [(op.value, n * min(_per_root(trees, n)), trees)]
-    both = [Family(r, (Direction.IN, Direction.OUT)) for r in range(n)]
+    roots = range(n) if options.roots is None else [i * n // options.roots for i in range(options.roots)]
+    both = [Family(r, (Direction.IN, Direction.OUT)) for r in roots]
+    if len(both) < n:
+        trees = _trees(topology, solve("multiroot", both, False, bound))
+        return [("multiroot", sum(t.weight for t in trees) / 2, trees)]
     ins = [Family(r, (Direction.IN,)) for r in range(n)]
     outs = [Family(r, (Direction.OUT,)) for r in range(n)]
     # The forests are pruned by `keep` only: combined they take >= 2n trees, and the
