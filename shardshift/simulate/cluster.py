@@ -78,17 +78,11 @@ class Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     """A `Cluster` from a topology YAML file of ``preset: cluster``."""
-    import yaml
+    from shardshift.collectives.topology.io import read_yaml
 
-    path = Path(path)
+    data = read_yaml(path, "cluster file")
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise ValueError(f"cannot read cluster file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"cluster file {path} is not valid YAML: {err}") from None
-    try:
-        return cluster_from_dict(data, path.stem)
+        return cluster_from_dict(data, Path(path).stem)
     except ValueError as err:
         raise ValueError(f"cluster file {path}: {err}") from None
 

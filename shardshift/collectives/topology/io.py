@@ -30,19 +30,25 @@ from shardshift.units import parse_duration, parse_rate
 
 def load_topology(path: str | Path) -> Topology:
     """Read a topology YAML file (see docs/topology.md)."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read topology file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:  # one line: what and where
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ValueError(f"topology file {path} is not valid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
+    data = read_yaml(path, "topology file")
     try:
         return topology_from_dict(data)
     except ValueError as exc:
         raise ValueError(f"topology file {path}: {exc}") from None
+
+
+def read_yaml(path: str | Path, what: str):
+    """The parsed content of a YAML file; ValueError in one line (what and where) if it cannot be
+    read or parsed."""
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:  # one line: what and where
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{what} {path} is not valid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
 
 
 def topology_from_dict(data: Mapping) -> Topology:
