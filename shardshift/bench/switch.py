@@ -49,15 +49,20 @@ Before each transition every rank hands the memory its allocator keeps free back
 (glibc's ``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed
 pieces of earlier transitions would otherwise count against the machine's memory twice.
 
-With ``predict``, three more figures are measured before each switch on the same processes: the
-per-message cost (a round of 64-byte messages between every pair, like step 1, ÷ the messages one
-rank posts), and the rates of a local copy (a `p2p_bytes` tensor copied into fresh memory, best
-of three; and the same out of a strided slice). With the
-link rate they make an α–β model of this machine (`simulate.cluster`: one host of `nproc` GPUs),
-on which the switch's own schedule is timed: ``predicted_seconds``, beside ``move_seconds`` (the
-part of ``switch_seconds`` that runs the schedule: transfers and copies, the slowest rank's;
-``predicted_over_move``) and ``switch_seconds`` (``predicted_over_switch``: the rest is building
-the new layout's optimizer and wrappers, which the model leaves out).
+With ``predict``, more figures are measured before each switch on the same processes, and make
+an α–β model of this machine (`simulate.cluster`: one host of `nproc` GPUs) on which the switch's
+own schedule is timed:
+
+- a rank's port: one pair's rate when it exchanges alone (ranks 0 and 1, both ways), as when the
+  machine is not shared; the link rate of step 1 times the ranks is what the machine moves at
+  most (the host's bandwidth);
+- the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
+- the rates of a local copy into fresh memory, from a contiguous and from a strided slice.
+
+``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
+schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
+``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
+and wrappers, which the model leaves out).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -204,6 +209,28 @@ def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: in
     return best / (2 * len(peers) * per_pair)
 
 
+def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> float:
+    """Bytes per second a rank receives when it and one peer are the only ones exchanging (ranks 0
+    and 1, both ways; the others wait): what one rank's port gives when the machine is not shared."""
+    transport = Transport(dist.group.WORLD)
+    rank = transport.rank
+    peer = {0: 1, 1: 0}.get(rank)
+    send = torch.full((nbytes,), rank, dtype=torch.uint8, device=device)
+    inbox = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for rep in range(reps + 1):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        if peer is not None:
+            tag = _P2P_TAG + 100 + rep
+            transport.post_round([PeerOp(peer, send, tag)], [PeerOp(peer, inbox, tag)],
+                                 "measuring one pair's rate").wait(Deadline.after(timeout_s))
+        seconds = _max_over_ranks(time.perf_counter() - start, device)
+        if rep:
+            best = min(best, seconds)
+    return nbytes / best
+
+
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
     """Bytes per second of a local copy of `nbytes` into memory allocated for it, as a switch copies
     into the new pieces and message buffers it allocates (first touches of fresh pages included;
@@ -228,10 +255,12 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     from shardshift.simulate.cluster import Cluster, predict
 
     alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
+    alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
     copies, strided = (-_max_over_ranks(-copy_rate(opts.p2p_bytes, device, strided), device)  # the slowest rank's
                        for strided in (False, True))
-    machine = Cluster(hosts=1, gpus_per_host=dist.get_world_size(), intra_bandwidth=rate, intra_latency=alpha,
-                      nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
+    world = dist.get_world_size()
+    machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
+                      intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
                       strided_copy_bandwidth=strided, name="this machine")
     return predict(schedule, machine).seconds
 

@@ -2,13 +2,16 @@
 
 The cluster is the topology YAML's ``preset: cluster`` (docs/topology.md): `hosts` hosts of
 `gpus_per_host` GPUs; inside a host every GPU reaches every other through the host's switch at
-`intra_bandwidth` each way (NVLink/NVSwitch class), each message paying `intra_latency`; between
+`intra_bandwidth` each way (NVLink/NVSwitch class), each message paying `intra_latency`, and all of
+a host's GPUs together at most `host_bandwidth` (the switch's or the memory's; by default it does
+not bind: every GPU at its full rate); between
 hosts a GPU uses one of the host's `nics_per_host` NICs (GPU g: NIC ``g * nics // gpus``) at
 `nic_bandwidth` each way, each message paying `latency`, the fabric above the NICs being
 non-blocking (a rail-optimised or full fat tree). Ranks are numbered host by host.
 
 A round of the schedule (`reshard.schedule`) takes, on this model, the longest of every GPU's
-and NIC's busy time: bytes ÷ bandwidth, in and out separately, plus one latency per message it
+and NIC's busy time, and of every host's switch: bytes ÷ bandwidth, in and out separately, and
+the bytes moved inside the host ÷ `host_bandwidth`; plus one latency per message a GPU
 sends or receives, plus its copies at `copy_bandwidth` (HBM class by default), or `strided_copy_bandwidth` where
 a slice is not contiguous. The copies are the executor's (`reshard.execute`): every local piece
 once; a moved piece once at the sender unless it travels alone from a contiguous slice of the old
@@ -27,7 +30,7 @@ import numpy as np
 
 from shardshift.units import parse_duration, parse_rate
 
-_RATES = ("intra_bandwidth", "nic_bandwidth", "copy_bandwidth", "strided_copy_bandwidth")
+_RATES = ("intra_bandwidth", "host_bandwidth", "nic_bandwidth", "copy_bandwidth", "strided_copy_bandwidth")
 _TIMES = ("intra_latency", "latency")
 _TOPOLOGY_ONLY = ("hosts_per_leaf", "spines", "rails")  # shape the fabric, which the model takes as non-blocking
 
@@ -37,6 +40,7 @@ class Cluster:
     hosts: int = 1
     gpus_per_host: int = 8
     intra_bandwidth: float = 450e9  # bytes/s each way per GPU (NVLink class)
+    host_bandwidth: float = 0.0  # bytes/s moved inside a host by all its GPUs at once (0: gpus x intra_bandwidth)
     intra_latency: float = 2e-6
     nics_per_host: int = 8
     nic_bandwidth: float = 50e9  # bytes/s each way per NIC (400 Gbit/s)
@@ -52,6 +56,8 @@ class Cluster:
                 raise ValueError(f"cluster {field}={value!r} must be an integer >= 1")
         if not self.strided_copy_bandwidth:
             object.__setattr__(self, "strided_copy_bandwidth", self.copy_bandwidth)
+        if not self.host_bandwidth:
+            object.__setattr__(self, "host_bandwidth", self.gpus_per_host * self.intra_bandwidth)
         for field in _RATES:
             if not getattr(self, field) > 0:
                 raise ValueError(f"cluster {field}={getattr(self, field)!r} must be > 0 bytes/s")
@@ -149,7 +155,9 @@ def predict(schedule, cluster: Cluster) -> Prediction:
         rounds.append(tally.seconds(cluster))
         totals.merge(tally)
     per_gpu_in = totals.intra_in / cluster.intra_bandwidth
-    limit = max(float(per_gpu_in.max(initial=0)), float(totals.nic_in.max(initial=0)) / cluster.nic_bandwidth,
+    per_host = np.bincount(cluster.host(np.arange(n)), weights=totals.intra_in) / cluster.host_bandwidth
+    limit = max(float(per_gpu_in.max(initial=0)), float(per_host.max(initial=0)),
+                float(totals.nic_in.max(initial=0)) / cluster.nic_bandwidth,
                 float(totals.nic_out.max(initial=0)) / cluster.nic_bandwidth)
     return Prediction(
         seconds=float(sum(rounds)), round_seconds=tuple(rounds), limit_seconds=limit,
@@ -227,4 +235,5 @@ class _Tally:
                + self.messages * cluster.intra_latency + self.remote_messages * cluster.latency
                + self.copying)
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
-        return float(max(gpu.max(initial=0), nic.max(initial=0)))
+        switch = np.bincount(cluster.host(np.arange(self.n)), weights=self.intra_in) / cluster.host_bandwidth
+        return float(max(gpu.max(initial=0), nic.max(initial=0), switch.max(initial=0)))

@@ -88,6 +88,19 @@ def test_the_alpha_beta_model_times_a_round_by_its_busiest_gpu_and_nic():
     assert sim.report()["inter_host_bytes"] == pytest.approx(8 * quarter, rel=0.01)
 
 
+def test_a_host_moves_at_most_its_own_bandwidth():
+    # One host of four GPUs whose switch carries 4 GB/s in all: fsdp=4 -> dp=4 moves 12 quarters
+    # inside it, so the switch, not a GPU's port (3 quarters each), decides.
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, intra_latency=0.0, copy_bandwidth=1e18)
+    shared = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, host_bandwidth=4e9, intra_latency=0.0,
+                     copy_bandwidth=1e18)
+    times = [simulate_switch(space, Layout(fsdp=4), Layout(dp=4), c, budget=1 << 40).prediction for c in (free, shared)]
+    assert times[1].seconds == pytest.approx(4 * times[0].seconds, rel=0.01)  # 12 quarters at 4 GB/s vs 3
+    assert times[1].limit_seconds == pytest.approx(times[1].seconds, rel=0.01)
+
+
 def test_the_shipped_cluster_file_reads_as_the_topology_preset():
     cluster = load_cluster(ROOT / "docs/topologies/cluster-dynatrain.yaml")
     assert (cluster.ranks, cluster.nics_per_host, cluster.nic_bandwidth) == (512, 8, 50e9)
