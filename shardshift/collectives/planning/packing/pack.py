@@ -20,6 +20,8 @@ What the trees mean, per op (a tree's `weight` is the rate, bytes/s, of the data
                               of each root is free;
                    rs+ag      reduce-scatter forests then all-gather forests (each root 1/n),
                               combined into pairs that run concurrently at the two-phase rate.
+                 `PackOptions.roots` roots the pieces at fewer ranks, multiroot only (large
+                 topologies: a round prices a tree pair per root).
 
 Depth. A pipelined tree loses about (depth - 1) chunk times to filling and draining, and the
 LP's optimum is usually degenerate: on hetero4 it reached the all-reduce bound with Hamiltonian
