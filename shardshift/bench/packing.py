@@ -51,6 +51,7 @@ SCALE_FAMILIES = {
 DEFAULT_SCALE_FAMILIES = ("fat-tree", "rails", "rails-gpu")
 SCALE_OPS = (Collective.BROADCAST, Collective.REDUCE, Collective.ALLREDUCE)  # one family of trees
 SCALE_BYTES = 1 << 30  # the call whose time `--scale` predicts: 1 GiB
+SCALE_PATIENCE = 8  # re-weightings without gain that end a `--scale` solve (see `_scale_row`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -290,8 +291,11 @@ def _scale_row(family: str, hosts: int, topology, op: Collective, runs: int) -> 
     from shardshift.collectives.planning.packing import Method, PackOptions, pack
 
     # Every tree found is kept (keep=1): cutting them re-solves the LP about log2(trees) times,
-    # some 10 s at 1,024 ranks, to drop a tenth of them.
-    options = PackOptions(method=Method.MWU, keep=1.0, roots=1 if op is Collective.ALLREDUCE else None)
+    # some 10 s at 1,024 ranks, to drop a tenth of them. A run also ends after 8 re-weightings
+    # (200 rounds) in a row that gained under 0.1% each: on the rail clusters all-reduce reaches
+    # the hosts' NIC limit, below the cut bound, and nothing certifies it (PackOptions.patience).
+    options = PackOptions(method=Method.MWU, keep=1.0, patience=SCALE_PATIENCE,
+                          roots=1 if op is Collective.ALLREDUCE else None)  # fmt: skip
     packings = [pack(topology, op, options=options) for _ in range(runs)]
     times = [p.solve_seconds for p in packings]
     ratios = [p.rate / p.bound for p in packings]
@@ -339,8 +343,9 @@ def _run_scale(opts: PackingBenchOptions) -> int:
                 if not opts.json:  # as they come: a run takes minutes
                     _print_scale_row(rows[-1])
     families = {f: SCALE_FAMILIES[f][0] for f in opts.families}
-    result = {"scale": {"bytes": SCALE_BYTES, "runs": opts.runs, "families": families, "rows": rows},
-              "seconds": time.perf_counter() - started}  # fmt: skip
+    settings = {"method": "mwu", "keep": 1.0, "patience": SCALE_PATIENCE, "allreduce_roots": 1}
+    result = {"scale": {"bytes": SCALE_BYTES, "runs": opts.runs, "families": families, "settings": settings,
+                        "rows": rows}, "seconds": time.perf_counter() - started}  # fmt: skip
     if opts.json:
         print(json.dumps(result))
     else:

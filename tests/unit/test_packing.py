@@ -345,6 +345,7 @@ def test_multiplicative_weights_on_larger_networks(topology, allreduce_best):
     "call, needle",
     [
         (lambda: PackOptions(roots=0), "roots=0: give a number of ranks >= 1"),
+        (lambda: PackOptions(patience=True), "patience=True: give a number of re-weightings >= 1"),
         (lambda: pack(ring(3), "allreduce", options=PackOptions(roots=4)), "has 3 ranks; give at most 3"),
         (lambda: pack(dgx1v([0]), "broadcast"), "at least 2"),
         (lambda: pack(ring(3), "broadcast", root=3), "root=3 is not a rank"),

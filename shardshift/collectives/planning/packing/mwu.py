@@ -60,6 +60,7 @@ def mwu_columns(
     target: float = np.inf,
     check_every: int | None = None,
     min_progress: float | None = None,
+    patience: int = 1,
     push_all: bool = False,
     price_bound: bool = False,
 ) -> MWURun:
@@ -69,7 +70,8 @@ def mwu_columns(
     target: a value known to be an upper bound (e.g. from max-flow), normalised units.
     check_every: re-weight the columns by a restricted LP every this many rounds and stop when
     that value is close enough (None: judge by the scaled pushes only).
-    min_progress: also stop when a re-weighting gains less than this (relative) over the last.
+    min_progress: also stop when `patience` re-weightings in a row each gain less than this
+    (relative) over the one before.
     push_all: push every family's cheapest bundle each round, not only the cheapest overall (for
     the packing problem this finds columns faster, which is all a warm start needs; it is no
     longer Garg–Könemann's rule, but the bound and the feasible value stay valid).
@@ -89,7 +91,7 @@ def mwu_columns(
     upper = np.inf
     columns: dict[tuple, tuple[Bundle, int]] = {}  # first occurrence order
     reweighted: LPResult | None = None
-    reweighted_at = rounds = 0  # the round whose columns `reweighted` covers
+    reweighted_at = rounds = stalled = 0  # the round whose columns `reweighted` covers; checks without gain
     for rounds in range(1, max_rounds + 1):
         cheapest = problem.cheapest(length)
         costs = [c for _, c in cheapest]
@@ -121,9 +123,9 @@ def mwu_columns(
             reweighted_at = rounds
             upper = min(upper, dual_bound)
             goal = (1 - gap) * min(upper, target)
-            if reweighted.value / problem.scale >= goal or (
-                min_progress is not None and reweighted.value < last * (1 + min_progress)
-            ):
+            gained = min_progress is None or reweighted.value >= last * (1 + min_progress)
+            stalled = 0 if gained else stalled + 1
+            if reweighted.value / problem.scale >= goal or stalled >= patience:
                 break
     if check_every and reweighted_at != rounds:
         reweighted, _ = _reweigh(problem, columns, False)
@@ -155,10 +157,13 @@ def multiplicative_weights(
     gap: float = 0.03,
     max_seconds: float = 25.0,
     target: float = np.inf,
+    patience: int | None = None,
 ) -> LPResult:
     """Approximate the master LP: Garg–Könemann columns, re-weighted by restricted LPs every 25
-    rounds, until within `gap` of the best upper bound (see `mwu_columns`, `price_bound`)."""
+    rounds, until within `gap` of the best upper bound (see `mwu_columns`, `price_bound`), or,
+    with `patience`, once that many re-weightings in a row gained less than 0.1% each."""
     run = mwu_columns(problem, epsilon, gap, max_seconds=max_seconds, target=target, check_every=25,
+                      min_progress=None if patience is None else 1e-3, patience=patience or 1,
                       price_bound=True)  # fmt: skip
     reweighted = run.reweighted
     return LPResult(

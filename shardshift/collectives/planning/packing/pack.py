@@ -97,6 +97,11 @@ class PackOptions:
     # roots leave out rs+ag (it roots a piece at every rank) and cut the work of a round, which
     # prices a tree pair per root: on 1,024 ranks, every rank is 2,048 arborescences a round.
     roots: int | None = None
+    # MWU: also stop once this many re-weightings in a row (25 rounds each) gained less than 0.1%
+    # (None: never). Where the max-flow bound cannot be met (all-reduce on a rail cluster, whose
+    # hosts' NICs bind first) the restricted LPs' duals may certify nothing close, and the value,
+    # long at its best, would otherwise run on to `max_seconds`.
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -107,9 +112,10 @@ class PackOptions:
             raise ValueError(f"max_trees={self.max_trees}: give at least 1 (or None for no cap)")
         if not 0 < self.tol < 0.1:
             raise ValueError(f"tol={self.tol}: give a small relative gap such as 1e-6")
-        if self.roots is not None and (isinstance(self.roots, bool) or not isinstance(self.roots, int)
-                                       or self.roots < 1):
-            raise ValueError(f"roots={self.roots!r}: give a number of ranks >= 1 (or None: every rank)")
+        for name, what in (("roots", "ranks"), ("patience", "re-weightings")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: give a number of {what} >= 1 (or None)")
 
 
 def pack(
@@ -239,7 +245,8 @@ def _solve(
         )
     else:
         goal = target / problem.scale
-        result = multiplicative_weights(problem, max_seconds=options.max_seconds, target=goal)
+        result = multiplicative_weights(problem, max_seconds=options.max_seconds, target=goal,
+                                        patience=options.patience)  # fmt: skip
     if options.keep < 1 or options.max_trees is not None:
         result = prune(problem, result, options.keep, options.max_trees)
     return result
