@@ -8,20 +8,28 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
   ever chosen) in its environment. Each rank leads a session of its own, so stopping it stops
   whatever it started too; and on Linux each gets SIGTERM when the launcher dies, even by SIGKILL,
   so no rank outlives the command that started it.
+- `fork_rank` starts a rank of ``shardshift <argv>`` as a fork of this process, which imported the
+  rank's code once (torch, DTensor, DCP: about 3 s of CPU) just before: ranks that each ran
+  ``python -m shardshift`` would import it again, all at once, on as few cores as the machine has.
+  The fork gets its own session, environment, standard streams and the signal handlers the
+  process had before the launcher set its own, runs the command, and ends with `os._exit` (never
+  returning into the launcher's code). `Forked` watches it as `subprocess.Popen` watches a child.
 - `supervise(procs, timeout_s)` waits: when a rank exits with an error the others are stopped at
   once, and past `timeout_s` all are. When `cancelled()` becomes true (a signal, in `launch`),
   every rank gets SIGTERM and `drain_s` to finish on its own (a training run saves a checkpoint
   then), and only what is left after that is killed.
 - `stop(procs)` sends SIGTERM to each rank's process group, SIGKILL after a grace period, and
   reaps them.
-- `launch(nproc, argv)` runs ``python -m shardshift <argv>`` as a job on this machine: rank 0's
+- `launch(nproc, argv)` runs ``shardshift <argv>`` as a job on this machine (forked ranks, or
+  with `spawn`, processes of ``python -m shardshift <argv>``, as an emulated network starts): rank 0's
   output is passed through, every other rank's goes to ``rank-N.log`` in a log directory (kept
   when the job fails, and named in its message). When a rank fails, the others are stopped and
   its last lines are repeated, so the cause is the last thing printed. SIGINT, SIGTERM and
   SIGHUP are passed on to the ranks as SIGTERM; the launcher exits with 128 + the signal once
   they are done, naming any rank that did not finish within the drain time or failed in it.
-  With ``log_dir``, each rank's log is appended to, under a line naming the job and its start. gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the
-  environment names another: nothing of a local job listens on the machine's network.
+  With ``log_dir``, each rank's log is appended to, under a line naming the job and its start.
+  gloo is bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the environment
+  names another: nothing of a local job listens on the machine's network.
 
 The signal handler only records the signal; the loops that start and watch the ranks act on it.
 A handler that raised would be lost when the signal lands during a fork: Python runs it inside
@@ -34,6 +42,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import importlib
 import os
 import shutil
 import signal
@@ -41,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -52,10 +62,11 @@ GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
 DRAIN_S = 120.0  # after a signal: time for the ranks to finish their step and save before SIGKILL
 TIMEOUT_EXIT = 124  # exit status of a job stopped for running past its time, as timeout(1) uses
 TAIL_LINES = 20  # of a failed rank's log, repeated in the launcher's message
-_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+_PR_SET_PDEATHSIG = 1  # prctl options (linux/prctl.h)
+_PR_SET_NAME = 15
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
-Spawn = Callable[..., subprocess.Popen]
+Spawn = Callable[..., "subprocess.Popen | Forked"]
 """``spawn(rank, argv, env, **popen_kwargs)``: start one rank's process in a session of its own."""
 
 
@@ -88,18 +99,153 @@ def rank_env(rank: int, nproc: int, store: str) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: store}  # fmt: skip
 
 
+Handlers = Mapping[int, Callable | int | None]
+"""Signal handlers by signal number, as `signal.getsignal` gives them."""
+
+
+class Forked:
+    """A rank forked from this process (`fork_rank`), watched as `subprocess.Popen` watches a child:
+    `pid`, `poll()`, `wait(timeout)`, `returncode` (negative: the signal that killed it),
+    `send_signal`, `terminate`, `kill`."""
+
+    def __init__(self, pid: int, argv: Sequence[str]) -> None:
+        self.pid = pid
+        self.args = list(argv)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], *, stdin=None, stdout=None, stderr=None,
+              handlers: Handlers | None = None, close_fds: Sequence[int] = (), name: str | None = None) -> Forked:
+    """Start ``shardshift <argv>`` as a fork of this process (see the module docstring).
+
+    `stdin`, `stdout` and `stderr` are as for `subprocess.Popen` (None: this process's own, a file,
+    `subprocess.DEVNULL`, or for `stderr` `subprocess.STDOUT`). `handlers` are the signal handlers
+    the rank starts with (those this process had before its launcher changed them), `close_fds`
+    descriptors of this process the rank must not hold (a listening socket). The fork keeps this
+    process's command line; its name (``ps -o comm``, ``top``, ``pgrep``) is `name`, by default
+    ``rank-N`` as its log is. The caller must have no thread but the calling one: a fork has no
+    other, and a lock another one held would stay locked in it."""
+    name = name or f"rank-{rank}"
+    parent = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # or the fork would print the same buffered text again
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    ready, set_ready = os.pipe()
+    pid = os.fork()
+    if pid:
+        # Returns once the fork leads its own session, under its name and with its own signal
+        # handlers (or died trying: end of file): stopping its process group reaches it from now on.
+        os.close(set_ready)
+        os.read(ready, 1)
+        os.close(ready)
+        return Forked(pid, argv)
+    code = 1
+    try:
+        os.close(ready)
+        os.setsid()
+        die_with_parent(parent)
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+        for sig, handler in (handlers or {}).items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        os.close(set_ready)
+        for fd in close_fds:
+            os.close(fd)
+        _redirect(stdin, stdout, stderr)
+        os.environ.clear()
+        os.environ.update(env)
+        from shardshift.cli.main import main
+
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = _exit_status(exit_)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code if isinstance(code, int) else 1)
+
+
+def _redirect(stdin, stdout, stderr) -> None:
+    """Point the standard streams of this (forked) process where `fork_rank` was asked to."""
+    def target(spec, mode: int) -> int | None:
+        if spec is None:
+            return None
+        if spec == subprocess.DEVNULL:
+            return os.open(os.devnull, mode)
+        return spec if isinstance(spec, int) else spec.fileno()
+
+    for fd, spec, mode in ((0, stdin, os.O_RDONLY), (1, stdout, os.O_WRONLY)):
+        source = target(spec, mode)
+        if source is not None:
+            os.dup2(source, fd)
+    if stderr == subprocess.STDOUT:
+        os.dup2(1, 2)
+    elif (source := target(stderr, os.O_WRONLY)) is not None:
+        os.dup2(source, 2)
+    # Python's streams may not be the descriptors (a caller that captures its output has its own):
+    # a redirected one is opened afresh on its descriptor, line-buffered so that a log can be followed.
+    if stdin is not None:
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process ends with os._exit)
+    if stdout is not None:
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if stderr is not None:
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+
+
+def _exit_status(exit_: SystemExit) -> int:
+    """The exit status the interpreter would give for `exit_` (a message goes to stderr, as it does)."""
+    if exit_.code is None:
+        return 0
+    if isinstance(exit_.code, int):
+        return exit_.code & 0xFF
+    print(exit_.code, file=sys.stderr)
+    return 1
+
+
 class Interrupted(Exception):
     """Starting the ranks was called off (`cancelled()` became true); those started are stopped."""
 
 
 def start_ranks(nproc: int, argv: Sequence[str], store: str, *, env: Mapping[str, str] | None = None,
                 spawn: Spawn = local_spawn, per_rank: Callable[[int], Mapping] | None = None,
-                cancelled: Callable[[], bool] = lambda: False, **popen_kwargs) -> list[subprocess.Popen]:
+                cancelled: Callable[[], bool] = lambda: False, **popen_kwargs) -> list[subprocess.Popen | Forked]:
     """Start `argv` as ranks 0..nproc-1 of one job meeting at the file store `store` (a path that
     must not exist yet). `env` is added to every rank's environment; `per_rank(rank)` gives
     Popen arguments of one rank over `popen_kwargs`. If starting fails, or `cancelled()` becomes
     true (checked after each rank; `Interrupted` is raised), the ranks already started are stopped."""
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | Forked] = []
     try:
         for rank in range(nproc):
             full_env = {**os.environ, **(env or {}), **rank_env(rank, nproc, store)}
@@ -138,7 +284,7 @@ class Outcome:
         return [rank for rank, code in enumerate(self.codes) if code is None]
 
 
-def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None, grace_s: float = GRACE_S,
+def supervise(procs: Sequence[subprocess.Popen | Forked], timeout_s: float | None = None, grace_s: float = GRACE_S,
               cancelled: Callable[[], bool] = lambda: False, drain_s: float = 0.0) -> Outcome:
     """Wait until every rank has exited; stop them all as soon as one fails or `timeout_s` passes.
     Once `cancelled()` becomes true, every rank gets SIGTERM and up to `drain_s` to exit on its own
@@ -166,7 +312,7 @@ def supervise(procs: Sequence[subprocess.Popen], timeout_s: float | None = None,
         time.sleep(0.05)
 
 
-def stop(procs: Sequence[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+def stop(procs: Sequence[subprocess.Popen | Forked], grace_s: float = GRACE_S) -> None:
     """SIGTERM every rank's process group, SIGKILL what is left after `grace_s`; reap them all."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = _signal(procs, sig)
@@ -178,7 +324,7 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = GRACE_S) -> None:
                 pass
 
 
-def _signal(procs: Sequence[subprocess.Popen], sig: int) -> list[subprocess.Popen]:
+def _signal(procs: Sequence[subprocess.Popen | Forked], sig: int) -> list[subprocess.Popen | Forked]:
     """Send `sig` to the process group of every rank still running; return those ranks."""
     alive = [proc for proc in procs if proc.poll() is None]
     for proc in alive:
@@ -189,21 +335,29 @@ def _signal(procs: Sequence[subprocess.Popen], sig: int) -> list[subprocess.Pope
     return alive
 
 
-def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, spawn: Spawn = local_spawn,
-           timeout_s: float | None = None, log_dir: str | None = None, drain_s: float = DRAIN_S) -> int:
-    """Run ``python -m shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status.
+def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, spawn: Spawn | None = None,
+           preload: Sequence[str] = (), timeout_s: float | None = None, log_dir: str | None = None,
+           drain_s: float = DRAIN_S) -> int:
+    """Run ``shardshift *argv`` as `nproc` ranks; return 0 or the job's exit status.
 
+    Without `spawn`, the ranks are forks of this process (`fork_rank`), which imports the modules
+    named in `preload` first; with it, each is ``python -m shardshift *argv`` started by `spawn`.
     The job's file store and, without `log_dir`, the ranks' logs live in one temporary directory.
     It goes when the job ends; the logs of a job that did not succeed are kept (moved to a
     directory of their own, named in the message). If the launcher itself is killed, its ranks
     remove the directory as they stop (`shardshift.runtime`)."""
     env = dict(env or {})
-    if spawn is local_spawn and "GLOO_SOCKET_IFNAME" not in os.environ:
+    if spawn is None and "GLOO_SOCKET_IFNAME" not in os.environ:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     signals: list[int] = []  # received; see the module docstring for why nothing more is done here
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in previous:
         signal.signal(sig, lambda signum, _frame: signals.append(signum))
+    if spawn is None:
+        spawn = functools.partial(fork_rank, handlers=previous)
+        command = list(argv)
+    else:
+        command = [sys.executable, "-m", "shardshift", *argv]
     outcome = None
     try:
         with tempfile.TemporaryDirectory(prefix="shardshift-") as tmp, contextlib.ExitStack() as files_open:
@@ -215,9 +369,13 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
                 for rank, file in files.items():
                     file.write(header.format(rank).encode())
                     file.flush()
-            procs: list[subprocess.Popen] = []
+            procs: list[subprocess.Popen | Forked] = []
             try:
-                procs += start_ranks(nproc, [sys.executable, "-m", "shardshift", *argv], os.path.join(tmp, "store"),
+                for module in preload:  # once here, instead of once in every rank
+                    importlib.import_module(module)
+                if signals:
+                    raise Interrupted("called off before the ranks started")
+                procs += start_ranks(nproc, command, os.path.join(tmp, "store"),
                                      env=env, spawn=spawn, stdin=subprocess.DEVNULL, cancelled=lambda: bool(signals),
                                      per_rank=lambda rank: {} if rank == 0 else
                                      {"stdout": files[rank], "stderr": subprocess.STDOUT})

@@ -109,7 +109,7 @@ def run(opts: CollectivesBenchOptions, argv: Sequence[str]) -> int:
     from shardshift.launch import launch
 
     if not opts.emulate:
-        return launch(opts.nproc, argv, timeout_s=opts.timeout_s)
+        return launch(opts.nproc, argv, preload=("shardshift.bench.collectives_rank",), timeout_s=opts.timeout_s)
     from shardshift.netemu import EmulatedNetwork, emulation_rates, netns_unavailable_reason
 
     reason = netns_unavailable_reason()

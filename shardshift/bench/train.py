@@ -129,7 +129,7 @@ def start(opts: TrainBenchOptions, argv: list[str]) -> int:
     from shardshift.launch import launch
 
     if not opts.emulate:
-        return launch(opts.nproc, argv, timeout_s=opts.timeout_s)
+        return launch(opts.nproc, argv, preload=(__name__,), timeout_s=opts.timeout_s)
     from shardshift.collectives.topology.io import load_topology
     from shardshift.netemu import EmulatedNetwork, emulation_rates, netns_unavailable_reason
 

@@ -65,7 +65,9 @@ def _job(args: argparse.Namespace, build: Callable[[], object], rank_main: Calla
     from shardshift.launch import launch
 
     try:
-        return launch(opts.nproc, args.argv) if start is None else start(opts, args.argv)
+        if start is not None:
+            return start(opts, args.argv)
+        return launch(opts.nproc, args.argv, preload=(rank_main.__module__,))
     except ValueError as err:  # e.g. an emulated network that cannot be built here
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2

@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.run_dir is not None:
         print(f"this run's outputs go to {args.run_dir}/", flush=True)
-    code = launch(nproc, argv, log_dir=args.log_dir)
+    code = launch(nproc, argv, preload=("shardshift.train.run",), log_dir=args.log_dir)
     if code == 0 and args.run_dir is not None:
         _after_run_dir(cfg)
     return code

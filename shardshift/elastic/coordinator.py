@@ -1,5 +1,6 @@
 """The coordinator of an elastic run (`shardshift train --elastic`): it serves the job's c10d store,
-starts the first world's workers and the joiners of scripted joins, and watches them.
+starts the first world's workers and the joiners of scripted joins, and watches them. They are
+forks of it (`shardshift.launch.fork_rank`), made before the store's threads start.
 
 It holds no training state and takes no part in a change of world: the workers agree on each
 change among themselves, at a step boundary, through one all-reduce and the store
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -44,32 +46,38 @@ import torch.distributed as dist
 from shardshift.console import say
 from shardshift.elastic.config import ElasticConfig, parse_address
 from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat, live_joiners
-from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, local_spawn, stop
+from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, Forked, fork_rank, stop
 
+PRELOAD = ("shardshift.elastic.worker", "shardshift.train.run")  # what the workers run, imported before forking
 FINISH_GRACE_S = 2.0  # after the last step, how long the processes left have to exit by themselves
 
 _WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-def serve(address: str | None, timeout_s: float) -> tuple[dist.TCPStore, str]:
-    """The job's store, served by this process: on `address` (HOST:PORT) or loopback and a free
-    port; returns it and the address workers connect to."""
+def listen(address: str | None) -> tuple[socket.socket, str]:
+    """A socket listening for the job's store: on `address` (HOST:PORT) or on loopback and a free
+    port; returns it and the address workers connect to. The store starts serving on it later
+    (`serve`), once the workers are forked: a process with the store's threads must not fork."""
     host, port = parse_address(address) if address else ("127.0.0.1", 0)
     try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, OSError) as err:
+        listener = socket.create_server((host, port))
+    except OSError as err:
         raise ValueError(f"--coordinator {address}: cannot serve there ({err}); give an address of this "
                          "machine and a free port") from None
-    return store, f"{host}:{store.port}"
+    return listener, f"{host}:{listener.getsockname()[1]}"
+
+
+def serve(listener: socket.socket, address: str, timeout_s: float) -> dist.TCPStore:
+    """The job's store, served by this process on `listener` (which it takes over)."""
+    host, port = parse_address(address)
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach(),
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, timeout_s: float,
                    log_dir: str | None = None, drain_s: float = DRAIN_S) -> int:
     """Run the elastic job ``python -m shardshift <argv>`` from `nproc` workers; its exit status."""
-    store, address = serve(ecfg.coordinator, timeout_s)
-    store.set("config/argv", json.dumps(list(argv)))
-    store.set("config/nproc", str(nproc))
+    listener, address = listen(ecfg.coordinator)
     env = {k: v for k, v in os.environ.items() if k not in _WORKER_ENV}
     env[COORDINATOR_ENV] = address
     if address.startswith("127.") and "GLOO_SOCKET_IFNAME" not in env:
@@ -78,7 +86,7 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in previous:
         signal.signal(sig, lambda signum, _frame: signals.append(signum))
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, Forked] = {}
     try:
         # Without --log-dir the logs go to a directory of the job's, which goes with it (or, if the
         # coordinator is killed, with its workers: `worker.member_main`).
@@ -94,15 +102,20 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
             def start(name: str, command: list[str], extra: dict[str, str], passthrough: bool = False) -> None:
                 out = {} if passthrough else {"stdout": files.enter_context(open(logs / f"{name}.log", "ab")),
                                               "stderr": subprocess.STDOUT}
-                procs[name] = local_spawn(0, command, {**env, **extra}, stdin=subprocess.DEVNULL, **out)
+                procs[name] = fork_rank(0, command, {**env, **extra}, stdin=subprocess.DEVNULL, handlers=previous,
+                                        close_fds=(listener.fileno(),), name=name, **out)
 
-            python = [sys.executable, "-m", "shardshift"]
+            for module in PRELOAD:  # once here, instead of once in every worker
+                importlib.import_module(module)
             for rank in range(nproc):
-                start(f"worker-{rank}", [*python, *argv],
+                start(f"worker-{rank}", list(argv),
                       {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nproc), MEMBER_ENV: str(rank)}, passthrough=rank == 0)
             for k in range(ecfg.joiners_to_start):
-                start(f"joiner-{k}", [*python, "join", "--coordinator", address, "--timeout", repr(timeout_s)], {})
+                start(f"joiner-{k}", ["join", "--coordinator", address, "--timeout", repr(timeout_s)], {})
+            store = serve(listener, address, timeout_s)  # its threads start here, after the last fork
+            store.set("config/argv", json.dumps(list(argv)))
+            store.set("config/nproc", str(nproc))
             store.set("spawn/started", str(ecfg.joiners_to_start))
             say(f"coordinator at {address}: add a worker with `shardshift join --coordinator {address}`")
             status, failed = _watch(procs, store, signals, drain_s, ecfg.heartbeat_s)
@@ -119,11 +132,12 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
         return status
     finally:
         stop(list(procs.values()))
+        listener.close()  # unless the store took it over
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _watch(procs: dict[str, subprocess.Popen], store: dist.Store, signals: list[int], drain_s: float,
+def _watch(procs: dict[str, Forked], store: dist.Store, signals: list[int], drain_s: float,
            heartbeat_s: float) -> tuple[int, tuple[str, int] | None]:
     """Wait for the job to end (module docstring): its status, and the worker whose crash ended it
     if one did. A crash of a worker of the current world is reported to the others (`_Crashes`),
@@ -236,7 +250,7 @@ class _Crashes:
         self.store.set(f"join/dead/{index}", "1")
         return True
 
-    def silent(self, procs: dict[str, subprocess.Popen], heartbeat_s: float) -> list[str]:
+    def silent(self, procs: dict[str, Forked], heartbeat_s: float) -> list[str]:
         """Running workers of the current world whose last heartbeat is older than `heartbeat_s`
         (checked twice a second at most)."""
         now = time.monotonic()
@@ -255,7 +269,7 @@ class _Crashes:
                 out.append(name)
         return out
 
-    def silent_strangers(self, procs: dict[str, subprocess.Popen], heartbeat_s: float) -> list[tuple[int, bool]]:
+    def silent_strangers(self, procs: dict[str, Forked], heartbeat_s: float) -> list[tuple[int, bool]]:
         """Workers this coordinator did not start (``shardshift join`` from another shell or host),
         members of the current world or ready joiners, whose heartbeat has not changed for
         `heartbeat_s` by this process's clock (theirs may be set otherwise). It cannot kill them:

@@ -50,6 +50,12 @@ def _job_pids(marker: str) -> list[int]:
     return [int(p) for p in out.split() if int(p) != os.getpid()]
 
 
+def _named(prefix: str) -> list[int]:
+    """PIDs of the processes whose name starts with `prefix` (the coordinator names its forks as their logs)."""
+    out = subprocess.run(["pgrep", f"^{prefix}"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 def _all_gone(marker: str, seconds: float = 20.0) -> bool:
     deadline = time.monotonic() + seconds
     while _job_pids(marker) and time.monotonic() < deadline:
@@ -235,7 +241,7 @@ def _signal_a_joiner(tmp_path, budget, sig: int, *args: str) -> tuple[subprocess
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (joiners := _job_pids("shardshift join --coordinator")) and time.monotonic() < deadline:
+        while not (joiners := _named("joiner-")) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert joiners, "no joiner was started"
         os.kill(min(joiners), sig)
@@ -326,7 +332,7 @@ def test_a_frozen_worker_is_found_by_its_missing_heartbeat_and_the_job_goes_on(t
         for line in job.stdout:
             if line.startswith("step     2"):
                 break
-        frozen = [pid for pid in _job_pids(str(tmp_path / "logs")) if _member(pid) == 1]
+        frozen = [pid for pid in _job_pids(str(tmp_path / "logs")) if pid in _named("worker-1")]
         assert len(frozen) == 1
         os.kill(frozen[0], signal.SIGSTOP)
         out, err = job.communicate(timeout=budget.left())
@@ -388,17 +394,6 @@ def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_
     assert "worker 2 (started elsewhere) sent no heartbeat for 2 s; the others go on without it" in err
     assert (crash["from_world"], crash["to_world"], crash["recovered_from"], crash["steps_lost"]) == (3, 2, "replica", 0)
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
-
-
-def _member(pid: int) -> int | None:
-    """The SHARDSHIFT_MEMBER of process `pid`'s environment (None if it has none)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    value = env.get(b"SHARDSHIFT_MEMBER")
-    return None if value is None else int(value)
 
 
 def test_join_without_a_job_there_says_so(budget):

@@ -13,6 +13,7 @@ import sys
 import time
 
 from support.dist import pid_alive
+from support.faults import fault_env
 
 TRAIN = [sys.executable, "-m", "shardshift", "train", "--nproc", "2", "--layout", "fsdp=2", "--model", "test"]
 
@@ -67,21 +68,16 @@ def test_invalid_layout_from_the_shell_exits_2(budget):
 
 
 def test_worker_error_stops_the_job_with_its_message(tmp_path, budget):
-    """Rank 1 fails as it starts (a `sitecustomize` that only ranks of number 1 run: every input was
-    valid, so only a worker can fail), while rank 0 waits for it in the group."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        'import os, sys\nif os.environ.get("RANK") == "1":\n'
-        '    sys.exit("injected: rank 1 cannot start (sitecustomize)")\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    """Rank 1 fails as it starts training (an injected fault: every input was valid, so only a
+    worker can fail), while rank 0 waits for it in the group."""
+    env = fault_env(tmp_path, 1, "worker_main", 'sys.exit("injected: rank 1 cannot start")')
     run = subprocess.run([*TRAIN, "--steps", "100000", "--log-dir", str(tmp_path / "logs")], capture_output=True,
                          text=True, timeout=budget.left(), env=env)
     assert run.returncode == 1, run.stderr[-3000:]
     assert "worker rank 1 exited with code 1; stopped the other workers" in run.stderr
     assert "injected: rank 1 cannot start" in run.stderr  # its last lines, repeated from its log
     assert f"the output of rank 1 is in {tmp_path / 'logs'}" in run.stderr
-    assert (tmp_path / "logs" / "rank-1.log").read_text().strip().endswith("(sitecustomize)")
+    assert (tmp_path / "logs" / "rank-1.log").read_text().strip().endswith("injected: rank 1 cannot start")
 
 
 def test_a_killed_worker_stops_the_others_instead_of_hanging(tmp_path, budget):
@@ -120,10 +116,10 @@ def test_the_command_line_parses_without_importing_torch(budget):
     assert run.stdout.strip() == "[]", run.stdout
 
 
-def test_the_launcher_checks_a_run_and_starts_its_ranks_without_torch(budget):
-    """Importing torch takes the launcher more than a second of CPU before any rank starts, and
-    every rank imports it anyway: the launcher's checks (configuration, data, checkpoints) and its
-    start of the ranks must not need it. The ranks are replaced by a stand-in that only exits."""
+def test_the_launcher_checks_a_run_without_torch(budget):
+    """Importing torch takes more than a second of CPU: the launcher's checks (configuration, data,
+    checkpoints) must not need it, so that bad input fails at once. (The launcher imports it once
+    its checks passed, just before it forks the ranks.) The ranks are replaced by a stand-in."""
     code = ("import sys; from shardshift import launch; from shardshift.cli.main import main; "
             "launch.launch = lambda *a, **k: 0; "
             "code = main(['train', '--nproc', '4', '--layout', 'fsdp=2,pp=2', '--model', 'test', '--steps', '3', "
@@ -230,3 +226,40 @@ def test_a_rank_killed_by_a_signal_is_named_before_the_peers_that_failed_after_i
     killed.wait(timeout=30)
     outcome = supervise([failing, killed], timeout_s=30)
     assert outcome.failed == 1 and outcome.codes == (1, -signal.SIGKILL)
+
+
+def test_a_forked_rank_runs_its_command_with_its_own_streams_session_and_name(tmp_path):
+    """`fork_rank` as the launcher and the coordinator use it, on commands that need no group:
+    the fork's output goes where it was sent, its exit status (a usage error: 2) is what the
+    interpreter would give, it leads a session of its own under its own name, and a fork that
+    does not end is waited for with a timeout and killed like any child."""
+    import socket
+
+    from shardshift.launch import fork_rank
+
+    out = tmp_path / "out.log"
+    with open(out, "ab") as log:
+        helped = fork_rank(3, ["--help"], dict(os.environ), stdin=subprocess.DEVNULL, stdout=log,
+                           stderr=subprocess.STDOUT)
+        refused = fork_rank(4, ["train", "--layout", "tp=3", "--nproc", "3"], dict(os.environ), stdout=log,
+                            stderr=subprocess.STDOUT)
+        assert helped.wait(timeout=60) == 0 and refused.wait(timeout=60) == 2
+    text = out.read_text()
+    assert "usage: shardshift" in text and "tp=3 does not divide n_head=8" in text, text
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers: the joiner waits
+        port = silent.getsockname()[1]
+        with open(out, "ab") as log:
+            waiting = fork_rank(5, ["join", "--coordinator", f"127.0.0.1:{port}", "--timeout", "60"], dict(os.environ),
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            assert os.getsid(waiting.pid) == waiting.pid
+            assert open(f"/proc/{waiting.pid}/comm").read().strip() == "rank-5"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                waiting.wait(timeout=0.5)
+                raise AssertionError("the joiner ended without a coordinator to answer it")
+            waiting.kill()
+            assert waiting.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            waiting.kill()
+            waiting.poll()
+    assert not pid_alive(waiting.pid)

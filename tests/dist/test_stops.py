@@ -16,6 +16,7 @@ import torch
 
 from shardshift.train.catalog import PARTIAL_PREFIX, check_intact, checkpoints
 from support.dist import pid_alive
+from support.faults import fault_env
 from support.training import metrics, step_losses
 
 STEPS = 8
@@ -162,19 +163,10 @@ def test_a_diverging_run_stops_and_saves_nothing_of_it(tmp_path, budget):
 
 
 def test_a_switch_whose_peer_dies_stops_the_job_and_names_the_checkpoint(tmp_path, budget):
-    """Rank 1 is SIGKILLed by itself as it starts moving its state (a `sitecustomize` that only it
-    runs installs the trap); rank 0 fails the switch naming rank 1 and the round, and says which
-    checkpoint to resume from, which is intact."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import os, signal, sys\n"
-        "def _trap(frame, event, arg):\n"
-        "    if event == 'call' and frame.f_code.co_name == 'run_program':\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "if os.environ.get('RANK') == '1':\n"
-        "    sys.setprofile(_trap)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    """Rank 1 is SIGKILLed by itself as it starts moving its state (an injected fault); rank 0
+    fails the switch naming rank 1 and the round, and says which checkpoint to resume from, which
+    is intact."""
+    env = fault_env(tmp_path, 1, "run_program", "os.kill(os.getpid(), signal.SIGKILL)")
     ckpt = tmp_path / "ckpt"
     run = subprocess.run([sys.executable, "-m", "shardshift", "train", "--model", "test", "--global-batch", "4",
                           "--steps", "4", "--nproc", "2", "--layout", "fsdp=2", "--switch", "3:tp=2", "--save",
