@@ -1,7 +1,9 @@
 """Run a function on N real processes joined in a gloo group, and collect what each returns.
 
-The processes are started with ``multiprocessing`` (spawn) and meet through a file store in a
-temporary directory: no port is ever chosen. Every collective times out after `timeout_s`, and the
+The processes are forks of a ``multiprocessing`` fork server (a fresh interpreter, started once per
+test session, that imported torch and ShardShift's training code: `PRELOAD`), so that a rank does
+not import them again; they meet through a file store in a temporary directory: no port is ever
+chosen. Every collective times out after `timeout_s`, and the
 whole run is killed after `timeout_s` (give it the test's `budget`, tests/conftest.py), so a hang
 fails the test instead of eating CI time. The function's return value travels back through a file
 written with ``torch.save``. A rank that fails stops the others at once and its traceback is the
@@ -53,10 +55,20 @@ def _entry(rank: int, world_size: int, tmp: str, timeout_s: float, fn, args) -> 
     leave(status)
 
 
+PRELOAD = ["torch", "torch.distributed", "shardshift.train.run", "shardshift.reshard.execute",
+           "shardshift.collectives.execution.backend", "support.dist", "support.training"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first run
+    return ctx
+
+
 def run_distributed(world_size: int, fn, *args, timeout_s: float = 240.0, dying: frozenset[int] = frozenset()) -> list:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own process
     (None for the ranks in `dying`, which must exit with an error)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="shardshift-test-") as tmp:
         procs = [ctx.Process(target=_entry, args=(rank, world_size, tmp, timeout_s, fn, args), name=f"rank{rank}")
                  for rank in range(world_size)]  # fmt: skip
