@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -183,9 +184,10 @@ def fork_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], *, stdin=N
         _redirect(stdin, stdout, stderr)
         os.environ.clear()
         os.environ.update(env)
-        from shardshift.cli.main import main
-
-        code = main(list(argv))
+        # As ``python -m shardshift <argv>`` would run (the command's own modules are imported already).
+        sys.argv = ["shardshift", *argv]
+        runpy.run_module("shardshift", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exit_:
         code = _exit_status(exit_)
     except BaseException:

@@ -36,14 +36,22 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    holds two copies of B's state (the checkpoint is deleted too).
 5. **Online switch** (``switch_seconds``): `Trainer.prepare_switch(B, budget)` first (planning,
    building B's meshes, its model and AdamW tensors with no storage behind them, and this rank's
-   program of the schedule: ``prepare_seconds``, not counted, as the training loop prepares each switch ahead while it trains and as the DCP column
-   does not count building B's trainer), then `Trainer.switch` after a barrier, the slowest rank's
+   program of the schedule: ``prepare_seconds``, not counted, as the training loop prepares each
+   switch ahead while it trains and as the DCP column does not count building B's trainer), then `Trainer.switch` after a barrier, the slowest rank's
    `SwitchReport.seconds`: moving every byte, allocating the new pieces as they fill, building the
    optimizer, the DDP wrapper or the pipeline schedule; ready for the next step. The switched state is
    compared with the DCP-loaded one, bit for bit (``state_mismatches``: tensors that differ, over
    all ranks, the RNG state counted once per rank; 0 is the only correct value).
 6. One training step on the switched trainer (``step_after_seconds``, not part of any column), to
    show that training goes on.
+
+**Repeats.** Each transition is measured `repeat` times (``--repeat``, default 3): steps 1 to 6,
+then a switch back to A (not measured) before the next. The ratios are computed per repeat; the
+record of the transition holds the median of every figure, with ``*_min`` and ``*_max`` beside
+the times, the link rate and the ratios (`SPREAD`); ``spread`` is the farthest any of dcp/sw,
+rst/sw and sw/lim strayed from its median, as a fraction. Peak and extra memory are the most of
+any repeat, mismatches their sum. Each repeat measures its own link rate, so the limit is always
+of the same moment as the switch.
 
 Before each transition every rank hands the memory its allocator keeps free back to the system
 (glibc's ``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed
@@ -82,6 +90,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -118,6 +127,7 @@ class SwitchBenchOptions:
     cfg: TrainConfig  # the run under chain[0]: one step under it, then one after each switch
     nproc: int
     budget: int  # bytes per switch round (see reshard/schedule.py)
+    repeat: int = 3  # measurements of each transition, switching back between them
     p2p_bytes: int  # message size of the link-rate measurement, per ordered pair
     p2p_reps: int = 3  # timed runs of the link-rate measurement (the best is kept)
     restart: bool = True  # measure the checkpoint-and-restart column
@@ -136,6 +146,8 @@ class SwitchBenchOptions:
         for a, b in zip(self.chain, self.chain[1:]):
             if a == b:
                 raise ValueError(f"the chain switches from {a} to itself; drop the repeated layout")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat {self.repeat}: measure each transition at least once")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout {self.timeout_s} must be > 0 seconds")
         if self.budget < MIN_BUDGET:
@@ -322,10 +334,62 @@ def run_switch_bench(opts: SwitchBenchOptions, rank: int, device_type: str) -> l
     dist.broadcast_object_list(root, src=0)
     root = Path(root[0])
     try:
-        return [_transition(trainer, after, tokens, root, opts) for after in chain[1:]]
+        return [_repeated(trainer, after, tokens, root, opts) for after in chain[1:]]
     finally:
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _repeated(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> dict:
+    """`opts.repeat` measurements of the switch from the trainer's layout to `after` (switching back
+    between them, unmeasured), summarised in one record (`summarise`)."""
+    before = trainer.cfg.layout
+    records = []
+    for repeat in range(opts.repeat):
+        if repeat:
+            trainer.switch(trainer.prepare_switch(before, opts.budget))
+        records.append(_transition(trainer, after, tokens, root, opts))
+    return summarise(records)
+
+
+# Per repeat, then summarised by their median, with the least and the most beside it (``*_min``,
+# ``*_max``): the times, the link rate and the ratios of each repeat.
+SPREAD = ("switch_seconds", "move_seconds", "dcp_seconds", "dcp_save_seconds", "dcp_load_seconds", "restart_seconds",
+          "limit_seconds", "predicted_seconds", "link_bytes_per_s", "dcp_over_switch", "restart_over_switch",
+          "switch_over_limit", "predicted_over_switch", "predicted_over_move")
+RATIOS = {"dcp_over_switch": ("dcp_seconds", "switch_seconds"),
+          "restart_over_switch": ("restart_seconds", "switch_seconds"),
+          "switch_over_limit": ("switch_seconds", "limit_seconds"),
+          "predicted_over_switch": ("predicted_seconds", "switch_seconds"),
+          "predicted_over_move": ("predicted_seconds", "move_seconds")}
+
+
+def summarise(records: list[dict]) -> dict:
+    """One record for the repeats of a transition: every number is their median, except the peak
+    and extra memory (the most: the budget bounds every repeat), the mismatches (summed: one is
+    too many) and the steps taken before the switch (the first repeat's); the `SPREAD` figures get
+    ``*_min`` and ``*_max`` too. A restart that failed in any repeat is reported."""
+    out = dict(records[0])
+    out["repeats"] = len(records)
+    for key, value in records[0].items():
+        values = [r[key] for r in records]
+        if key == "steps_taken":
+            continue
+        if key in ("peak_mem_bytes", "extra_mem_bytes"):
+            out[key] = max(values)
+        elif key == "state_mismatches":
+            out[key] = sum(values)
+        elif key == "restart_error":
+            out[key] = next((v for v in values if v), None)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and None not in values:
+            out[key] = statistics.median(values)
+    for key in SPREAD:
+        values = [r[key] for r in records]
+        known = None not in values
+        out[f"{key}_min"], out[f"{key}_max"] = (min(values), max(values)) if known else (None, None)
+        if not known:
+            out[key] = None
+    return out
 
 
 def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> dict:
@@ -359,7 +423,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
     mismatches = torch.tensor([_mismatches(_digests(trainer), loaded)], device=device)
     dist.all_reduce(mismatches)
     result, step_s = _timed(trainer.train_step, device)
-    return {
+    record = {
         "from": str(before),
         "to": str(after),
         "placed": report.new,  # the new layout and the rank order the switch chose
@@ -392,6 +456,9 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "step_after_seconds": step_s,
         "loss_after": result.loss,
     }
+    for key, (a, b) in RATIOS.items():
+        record[key] = _ratio(record[a], record[b])
+    return record
 
 
 def _return_free_memory() -> None:
@@ -440,35 +507,42 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(value: float | None) -> str:
+    return "-" if value is None else f"±{100 * value:.0f}%"
+
+
 def _size(nbytes: float) -> str:
     return format_size(nbytes, digits=2).replace(" ", "").removesuffix("iB")
 
 
+def spread(record: dict, keys=("dcp_over_switch", "restart_over_switch", "switch_over_limit")) -> float | None:
+    """How far the repeats of a transition strayed from their median, the most over the ratios
+    `keys`: max |min ÷ median - 1|, |max ÷ median - 1| (0.2: within ±20%)."""
+    out = [abs(record[f"{key}_{end}"] / record[key] - 1) for key in keys if record.get(key) for end in ("min", "max")]
+    return max(out) if out else None
+
+
 def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> dict:
-    """Add the ratios to every record and print them: one JSON object, or the table. Returns
-    that object (what ``--json`` prints)."""
+    """Print the summarised records (`summarise`) with their geometric means: one JSON object, or
+    the table. Returns that object (what ``--json`` prints)."""
     cfg = opts.cfg
+    means = {key: _geomean([r[key] for r in records]) for key in RATIOS}
     for r in records:
-        r["dcp_over_switch"] = _ratio(r["dcp_seconds"], r["switch_seconds"])
-        r["restart_over_switch"] = _ratio(r["restart_seconds"], r["switch_seconds"])
-        r["switch_over_limit"] = _ratio(r["switch_seconds"], r["limit_seconds"])
-        r["predicted_over_switch"] = _ratio(r["predicted_seconds"], r["switch_seconds"])
-        r["predicted_over_move"] = _ratio(r["predicted_seconds"], r["move_seconds"])
-    means = {key: _geomean([r[key] for r in records])
-             for key in ("dcp_over_switch", "restart_over_switch", "switch_over_limit", "predicted_over_switch",
-                         "predicted_over_move")}
+        r["spread"] = spread(r)
     result = {
         "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
-        "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
+        "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch, "repeats": opts.repeat,
         "budget": records[0]["budget"], "transitions": records, "geomean": means,
     }  # fmt: skip
     if opts.json:
         print(json.dumps(result))
         return result
     print(f"model {cfg.model_name} ({cfg.model.num_params():,} parameters, {cfg.dtype}), {opts.nproc} "
-          f"{device_type} ranks, budget {_size(records[0]['budget'])} per round; seconds, slowest rank")
+          f"{device_type} ranks, budget {_size(records[0]['budget'])} per round; seconds, slowest rank; "
+          f"medians of {opts.repeat} repeats ('spread': the farthest a repeat's ratio strayed from the median)")
     head = (f"{'transition':<28}{'switch':>8}{'dcp':>8}{'restart':>9}{'limit':>8} |{'dcp/sw':>8}"
-            f"{'rst/sw':>8}{'sw/lim':>8} |{'moved':>9}{'of all':>9}{'peak':>9}{'extra':>9}{'link/s':>9}{'bad':>4}")
+            f"{'rst/sw':>8}{'sw/lim':>8}{'spread':>8} |{'moved':>9}{'of all':>9}{'peak':>9}{'extra':>9}{'link/s':>9}"
+            f"{'bad':>4}")
     print(head)
     print("-" * len(head))
     for r in records:
@@ -476,12 +550,12 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         print(f"{r['from'] + ' -> ' + r['to']:<28}{r['switch_seconds']:>8.2f}{r['dcp_seconds']:>8.2f}"
               f"{restart:>9}{r['limit_seconds']:>8.2f} |"
               f"{_fmt(r['dcp_over_switch'], '.2f'):>8}{_fmt(r['restart_over_switch'], '.2f'):>8}"
-              f"{_fmt(r['switch_over_limit'], '.2f'):>8} |{_size(r['bytes_moved']):>9}"
+              f"{_fmt(r['switch_over_limit'], '.2f'):>8}{_spread(r['spread']):>8} |{_size(r['bytes_moved']):>9}"
               f"{_size(r['bytes_total']):>9}{_size(r['peak_mem_bytes']):>9}{_size(r['extra_mem_bytes']):>9}"
               f"{_size(r['link_bytes_per_s']):>9}{r['state_mismatches']:>4}")
     print("-" * len(head))
     print(f"{'geometric mean':<61}|{_fmt(means['dcp_over_switch'], '.2f'):>8}"
-          f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8} |")
+          f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8}{'':>8} |")
     print(f"sealing the saves into checkpoints (manifest CRC-32s, rename; not in 'dcp'): "
           f"{sum(r['seal_seconds'] for r in records):.2f} s in all")
     if opts.predict:

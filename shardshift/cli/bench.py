@@ -160,6 +160,9 @@ def _add_switch(benches) -> None:
                    help="sequences per step (8 is the least pp=4 takes with its 8 micro-batches)")
     p.add_argument("--budget", default="256M", help="bytes a rank moves per switch round, e.g. 64M")
     p.add_argument("--p2p-size", default="64M", help="message per ordered rank pair in the link-rate measurement")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="measure each transition this many times, switching back between them (DCP and restart "
+                        "likewise); medians are reported with min-max")
     p.add_argument("--no-restart", dest="restart", action="store_false",
                    help="skip the restart column (it starts a fresh job per transition: the slow part)")
     p.add_argument("--predict", action="store_true",
@@ -195,11 +198,13 @@ def _switch_options(args: argparse.Namespace):
     if len(chain) < 2:
         raise ValueError(f"--suite {args.suite!r} names {len(chain)} layout; a switch needs at least two")
     chain[0].check_world(args.nproc)
-    # One step under the first layout, then one after each switch: the LR schedule's horizon.
+    if args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat}: measure each transition at least once")
+    # One step under the first layout, then one after each measured switch: the LR schedule's horizon.
     cfg = TrainConfig(layout=chain[0], model=model_config(args.model), model_name=args.model,
-                      steps=len(chain), dtype=args.dtype, global_batch=args.global_batch)
+                      steps=1 + (len(chain) - 1) * args.repeat, dtype=args.dtype, global_batch=args.global_batch)
     return SwitchBenchOptions(chain=chain, cfg=cfg, nproc=args.nproc, budget=parse_size(args.budget, "--budget"),
-                              p2p_bytes=parse_size(args.p2p_size, "--p2p-size"), restart=args.restart,
+                              repeat=args.repeat, p2p_bytes=parse_size(args.p2p_size, "--p2p-size"), restart=args.restart,
                               predict=args.predict, timeout_s=args.timeout, json=args.json, plot=args.plot)
 
 

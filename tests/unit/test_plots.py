@@ -307,7 +307,8 @@ def switch_result() -> dict:
                 "bytes_total": 20, "max_bytes_received": 5, "rounds": 1, "budget": 1 << 28, "peak_mem_bytes": 30,
                 "extra_mem_bytes": 3, "state_mismatches": 0, "step_after_seconds": 0.3, "loss_after": 4.0,
                 "dcp_over_switch": dcp / switch, "restart_over_switch": restart and restart / switch,
-                "switch_over_limit": switch / limit}  # fmt: skip
+                "switch_over_limit": switch / limit, "predicted_over_switch": None,
+                "predicted_over_move": None}  # fmt: skip
 
     return {"model": "test", "params": 1000, "nproc": 4, "device": "cpu", "dtype": "float32", "global_batch": 8,
             "budget": 1 << 28, "geomean": {},
@@ -329,10 +330,9 @@ def test_switch_bench_bars_per_transition_on_a_log_scale(tmp_path):
 
 
 def test_switch_bench_draws_the_object_its_report_prints(tmp_path, capsys):
-    from shardshift.bench.switch import SwitchBenchOptions, report
+    from shardshift.bench.switch import SwitchBenchOptions, report, summarise
 
-    records = [{k: v for k, v in t.items() if not k.endswith("_over_switch") and k != "switch_over_limit"}
-               for t in switch_result()["transitions"]]
+    records = [summarise([t, t]) for t in switch_result()["transitions"]]
     cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
     opts = SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4, budget=1 << 28,
                               p2p_bytes=1 << 20, json=True)
@@ -402,8 +402,7 @@ def test_only_rank_0_draws_the_report_it_printed(tmp_path, capsys, monkeypatch, 
     from shardshift.bench import switch, train
 
     proc = type("Proc", (), {"rank": rank, "device_type": "cpu"})
-    records = [{k: v for k, v in t.items() if not k.endswith("_over_switch") and k != "switch_over_limit"}
-               for t in switch_result()["transitions"]]
+    records = [switch.summarise([t]) for t in switch_result()["transitions"]]
     monkeypatch.setattr(switch, "run_in_group", lambda timeout_s, body: (proc, records))
     cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
     opts = switch.SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4,
