@@ -8,16 +8,17 @@ import sys
 import time
 
 import pytest
+from support.cli import run_shardshift
 from support import REPO
 
 
 
 
 def test_small_run_reports_every_impl_without_wrong_elements(budget):
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardshift", "bench", "collectives", "--op", "reducescatter",
+    proc = run_shardshift(
+        ["bench", "collectives", "--op", "reducescatter",
          "--sizes", "96K", "--preset", "ring", "--nproc", "3", "--iters", "1", "--json", "--timeout", str(budget.left())],
-        capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+        timeout=budget.left(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
     assert [r["impl"] for r in rows] == ["gloo", "ring", "trees", "auto"]

@@ -12,6 +12,7 @@ import pytest
 
 from shardshift.cli.main import main
 from shardshift.elastic.worker import PHASES
+from support.cli import run_shardshift
 from support import REPO
 
 
@@ -29,9 +30,9 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
 
 def test_the_suite_reports_every_event_beside_its_restart(budget):
     """The suite's six events (their restarts and the redundancy jobs: the next test)."""
-    run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--suite", "--model", "test",
+    run = run_shardshift(["bench", "elastic", "--suite", "--model", "test",
                           "--global-batch", "6", "--json", "--timeout", "120", "--no-restart", "--overhead-steps", "0"],
-                         capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+                         timeout=budget.left(), cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     events = out["events"]
@@ -49,9 +50,9 @@ def test_the_suite_reports_every_event_beside_its_restart(budget):
 def test_an_event_is_timed_beside_its_restart_and_redundancy_beside_none(budget):
     """A leave beside its restart, and the two fixed jobs that measure --redundancy 1 (joins beside
     their restarts: the suite's own runs, which do not time restarts in this test)."""
-    run = subprocess.run([sys.executable, "-m", "shardshift", "bench", "elastic", "--nproc", "2", "--inject", "2:leave=1",
+    run = run_shardshift(["bench", "elastic", "--nproc", "2", "--inject", "2:leave=1",
                           "--model", "test", "--global-batch", "6", "--json", "--timeout", "120", "--overhead-steps", "2"],
-                         capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+                         timeout=budget.left(), cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     [event] = out["events"]

@@ -13,26 +13,27 @@ import subprocess
 import sys
 
 import pytest
+from support.cli import run_shardshift
 from support import REPO
 
 
 
 
 def test_bad_layout_from_the_shell_exits_2(budget):
-    run = subprocess.run(
-        [sys.executable, "-m", "shardshift", "bench", "switch", "--nproc", "4", "--from", "dp=4", "--to", "dp=2"],
-        capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+    run = run_shardshift(
+        ["bench", "switch", "--nproc", "4", "--from", "dp=4", "--to", "dp=2"],
+        timeout=budget.left(), cwd=REPO)
     assert run.returncode == 2
     assert "layout dp=2 has 2 ranks (product of its degrees) but 4 processes were asked for" in run.stderr
 
 
 def test_small_chain_reports_every_column(budget):
     chain = ["dp=2", "fsdp=2", "tp=2"]
-    run = subprocess.run(
-        [sys.executable, "-m", "shardshift", "bench", "switch", "--nproc", "2", "--model", "test",
+    run = run_shardshift(
+        ["bench", "switch", "--nproc", "2", "--model", "test",
          "--suite", ";".join(chain), "--budget", "16K", "--p2p-size", "256K", "--predict", "--repeat", "2", "--json",
          "--timeout", str(budget.left())],
-        capture_output=True, text=True, timeout=budget.left(), cwd=REPO)
+        timeout=budget.left(), cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     rows = out["transitions"]

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from support.cli import run_shardshift
 from support.dist import run_distributed
 from support.training import ATOL, full_parameters, step_losses
 from shardshift.layout import Layout
@@ -71,10 +72,10 @@ def test_resume_under_another_layout_continues_the_curve(tmp_path, budget):
 
 
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardshift", "train", "--model", "test", "--dtype", "float64",
+    return run_shardshift(
+        ["train", "--model", "test", "--dtype", "float64",
          "--global-batch", "4", "--seed", "2", "--log-every", "0", *args],
-        capture_output=True, text=True, timeout=timeout,
+        timeout=timeout,
     )
 
 

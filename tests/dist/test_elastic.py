@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardshift.train.catalog import checkpoints, step_of
+from support.cli import run_shardshift
 from support.training import metrics, step_losses
 
 STEPS = 8
@@ -29,8 +30,7 @@ SHARDED = ["--layout-for", "4:fsdp=4", "--layout-for", "3:fsdp=3", "--layout-for
 
 
 def _train(tmp_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_shardshift(["train", *RUN, *args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,8 @@ def fixed(tmp_path_factory):
     """The run every elastic run of RUN is compared with: one process, no event (the numerics
     contract: any world computes what one process computes). Its metrics and final checkpoint."""
     path = tmp_path_factory.mktemp("fixed")
-    run = subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, "--nproc", "1", "--metrics",
-                          str(path / "fixed.jsonl"), "--save", str(path / "ckpt")], capture_output=True, text=True,
-                         timeout=300)
+    run = run_shardshift(["train", *RUN, "--nproc", "1", "--metrics",
+                          str(path / "fixed.jsonl"), "--save", str(path / "ckpt")], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return path
 
@@ -128,9 +127,9 @@ def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_giv
     expected = check_every_world(ecfg, cfg)
     unlimited = check_every_world(dataclasses.replace(ecfg, memory_per_worker=None), cfg)
     assert expected[4] != unlimited[4] and expected[3] != unlimited[3]
-    run = subprocess.run([sys.executable, "-m", "shardshift", *argv, "--inject", "2:leave=3", "--metrics",
+    run = run_shardshift([*argv, "--inject", "2:leave=3", "--metrics",
                           str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs")],
-                         capture_output=True, text=True, timeout=budget.left())
+                         timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert f"elastically under {expected[4]} on 4 cpu workers" in run.stdout
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
@@ -371,7 +370,7 @@ def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN[:-4], "--steps", "100000",
                                 "--log-every", "1", "--elastic", "--nproc", "2", "--max-nproc", "3", "--layout", "dp=2",
-                                "--layout-for", "3:dp=3", "--heartbeat-timeout", "2", "--timeout", "120", "--metrics",
+                                "--layout-for", "3:dp=3", "--heartbeat-timeout", "2", "--timeout", "30", "--metrics",
                                 str(events_file), "--log-dir", str(tmp_path / "logs")],
                                stdout=out, stderr=subprocess.PIPE, text=True)
     joiner = None
@@ -381,6 +380,8 @@ def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_
         joiner = subprocess.Popen([sys.executable, "-m", "shardshift", "join", "--coordinator", address, "--timeout",
                                    "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: event("join"), "join")
+        # Killed during a step, a survivor may be blocked in a collective with the other survivor
+        # (a ring's other side), which gloo cannot cancel: it waits out --timeout (30 s here).
         joiner.kill()
         joiner.wait(timeout=30)
         crash = wait_for(lambda: event("crash"), "crash")
@@ -397,7 +398,7 @@ def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_
 
 
 def test_join_without_a_job_there_says_so(budget):
-    run = subprocess.run([sys.executable, "-m", "shardshift", "join", "--coordinator", "127.0.0.1:9", "--timeout", "2"],
-                         capture_output=True, text=True, timeout=budget.left())
+    run = run_shardshift(["join", "--coordinator", "127.0.0.1:9", "--timeout", "2"],
+                         timeout=budget.left())
     assert run.returncode == 2
     assert "--coordinator 127.0.0.1:9: no elastic job answers there" in run.stderr

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from support.cli import run_shardshift
 from support import REPO
 
 TINY = ["--model", "test", "--global-batch", "8"]
@@ -73,9 +74,9 @@ def test_every_readme_command_has_a_smoke_test():
 
 
 def _run(command: str, tmp_path, budget) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "shardshift", *command.split()[1:], *SMOKE[command]]
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=budget.left(), cwd=tmp_path)
-    assert run.returncode == 0, f"{' '.join(argv)}:\n{run.stderr[-3000:]}"
+    argv = [*command.split()[1:], *SMOKE[command]]
+    run = run_shardshift(argv, timeout=budget.left(), cwd=tmp_path)
+    assert run.returncode == 0, f"shardshift {' '.join(argv)}:\n{run.stderr[-3000:]}"
     return run
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardshift.train.catalog import PARTIAL_PREFIX, check_intact, checkpoints
+from support.cli import run_shardshift
 from support.dist import pid_alive
 from support.faults import fault_env
 from support.training import metrics, step_losses
@@ -45,17 +46,17 @@ def _all_gone(marker: str, seconds: float = 20.0) -> bool:
 def reference(tmp_path_factory) -> dict[int, float]:
     """The uninterrupted run's loss at every step, on one process."""
     tmp = tmp_path_factory.mktemp("reference")
-    run = subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, "--nproc", "1", "--metrics",
-                          str(tmp / "ref.jsonl")], capture_output=True, text=True, timeout=240)
+    run = run_shardshift(["train", *RUN, "--nproc", "1", "--metrics",
+                          str(tmp / "ref.jsonl")], timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     return step_losses(tmp / "ref.jsonl")
 
 
 def _resume_and_compare(tmp_path, reference, budget, *args: str) -> list[dict]:
     """Resume from --save's newest complete checkpoint; the losses must be the uninterrupted run's."""
-    run = subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, *args, "--save", str(tmp_path / "ckpt"),
+    run = run_shardshift(["train", *RUN, *args, "--save", str(tmp_path / "ckpt"),
                           "--resume", "auto", "--metrics", str(tmp_path / "run.jsonl"), "--log-dir",
-                          str(tmp_path / "logs")], capture_output=True, text=True, timeout=budget.left())
+                          str(tmp_path / "logs")], timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:]
     got = step_losses(tmp_path / "run.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -152,9 +153,9 @@ def test_a_closed_terminal_still_saves(tmp_path, budget):
 
 def test_a_diverging_run_stops_and_saves_nothing_of_it(tmp_path, budget):
     ckpt = tmp_path / "ckpt"
-    run = subprocess.run([sys.executable, "-m", "shardshift", "train", *RUN, "--nproc", "2", "--layout", "fsdp=2",
+    run = run_shardshift(["train", *RUN, "--nproc", "2", "--layout", "fsdp=2",
                           "--lr", "1e12", "--warmup", "0", "--save", str(ckpt), "--save-every", "1", "--log-dir",
-                          str(tmp_path / "logs")], capture_output=True, text=True, timeout=budget.left())
+                          str(tmp_path / "logs")], timeout=budget.left())
     assert run.returncode == 3, run.stderr[-3000:]
     diverged = int(run.stderr.split("step ")[-1].split(" diverged")[0]) if " diverged" in run.stderr else None
     assert diverged is not None, run.stderr[-3000:]

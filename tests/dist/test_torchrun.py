@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from support.cli import run_shardshift
 from support.training import step_losses
 
 
@@ -25,10 +26,10 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
         capture_output=True, text=True, timeout=budget.left(),
     )
     assert under_torchrun.returncode == 0, under_torchrun.stderr[-3000:]
-    local = subprocess.run(
-        [sys.executable, "-m", "shardshift", *common, "--nproc", "1",
+    local = run_shardshift(
+        [*common, "--nproc", "1",
          "--metrics", str(tmp_path / "local.jsonl")],
-        capture_output=True, text=True, timeout=budget.left(),
+        timeout=budget.left(),
     )
     assert local.returncode == 0, local.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "torchrun.jsonl")]

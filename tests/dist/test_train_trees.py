@@ -16,6 +16,7 @@ from shardshift.layout import Layout
 from shardshift.train.config import TrainConfig, model_config
 from shardshift.train.run import tree_calls
 from shardshift.train.trainer import Trainer
+from support.cli import run_shardshift
 from support.dist import run_distributed
 from support.training import full_parameters
 
@@ -73,10 +74,10 @@ def test_the_command_trains_on_trees_and_counts_their_calls(tmp_path, budget):
     """The README's command, on the `test` model: its end-of-run line and summary record count the
     calls FSDP2 ran on trees (an all-gather per block and stage root forward and backward, a
     reduce-scatter per one of them backward)."""
-    out = subprocess.run([sys.executable, "-m", "shardshift", "train", "--nproc", "4", "--layout", "fsdp=4",
+    out = run_shardshift(["train", "--nproc", "4", "--layout", "fsdp=4",
                           "--collectives", "trees", "--topology", HETERO4, "--model", "test", "--global-batch", "8",
                           "--steps", "2", "--metrics", str(tmp_path / "run.jsonl")],
-                         capture_output=True, text=True, timeout=budget.left(), cwd=tmp_path)
+                         timeout=budget.left(), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = [json.loads(line) for line in open(tmp_path / "run.jsonl")][-1]
     assert summary["event"] == "summary" and summary["steps"] == 2

@@ -59,7 +59,7 @@ PRELOAD = ["torch", "torch.distributed", "shardshift.train.run", "shardshift.res
            "shardshift.collectives.execution.backend", "support.dist", "support.training"]
 
 
-def _context():
+def context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first run
     return ctx
@@ -68,7 +68,7 @@ def _context():
 def run_distributed(world_size: int, fn, *args, timeout_s: float = 240.0, dying: frozenset[int] = frozenset()) -> list:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own process
     (None for the ranks in `dying`, which must exit with an error)."""
-    ctx = _context()
+    ctx = context()
     with tempfile.TemporaryDirectory(prefix="shardshift-test-") as tmp:
         procs = [ctx.Process(target=_entry, args=(rank, world_size, tmp, timeout_s, fn, args), name=f"rank{rank}")
                  for rank in range(world_size)]  # fmt: skip

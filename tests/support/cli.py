@@ -1,0 +1,87 @@
+"""Run a `shardshift` command as ``python -m shardshift ARGV`` would, without a fresh interpreter.
+
+Most tests run commands only to read what they print and write. A fresh interpreter would import
+torch and the training code again (about 3 s of CPU per command); here the command runs in a fork
+of the test session's fork server (`support.dist`), which imported them once. The command itself
+runs exactly as from the shell: ``shardshift/__main__.py`` with that command line, environment
+and working directory, its launcher forking its ranks as usual.
+
+Tests of the launcher itself (signals, kills, start-up without torch) start real processes
+instead: they are about the process a user starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+
+from support.dist import context
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: str | None, out: str, err: str) -> None:
+    """In the fork: a session of its own, SIGTERM when the fork server goes, the command's streams
+    into `out` and `err`; then the command, and its exit status."""
+    from shardshift.launch import die_with_parent
+
+    code = 1
+    try:
+        os.setsid()
+        die_with_parent(os.getppid())
+        for fd, path in ((1, out), (2, err)):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(target, fd)
+            os.close(target)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process ends with os._exit)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+        os.environ.clear()
+        os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        import runpy
+
+        sys.argv = ["shardshift", *argv]
+        runpy.run_module("shardshift", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit_:
+        code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+
+
+def run_shardshift(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
+                   cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-m", "shardshift", *argv], capture_output=True, text=True, ...)``,
+    run as the module docstring says. Past `timeout` the command's whole session is killed and
+    `subprocess.TimeoutExpired` raised, as `subprocess.run` does."""
+    argv = [str(a) for a in argv]
+    with tempfile.TemporaryDirectory(prefix="test-cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = context().Process(target=_run, args=(argv, dict(env if env is not None else os.environ),
+                                                    None if cwd is None else str(cwd), out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.join(30)
+            raise subprocess.TimeoutExpired(["shardshift", *argv], timeout)
+        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+            return subprocess.CompletedProcess([sys.executable, "-m", "shardshift", *argv], proc.exitcode,
+                                               f_out.read(), f_err.read())
