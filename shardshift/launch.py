@@ -54,6 +54,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from shardshift.console import say
 
@@ -169,7 +170,6 @@ def fork_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], *, stdin=N
         os.read(ready, 1)
         os.close(ready)
         return Forked(pid, argv)
-    code = 1
     try:
         os.close(ready)
         os.setsid()
@@ -181,10 +181,26 @@ def fork_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], *, stdin=N
         os.close(set_ready)
         for fd in close_fds:
             os.close(fd)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    become_command(argv, env, stdin=stdin, stdout=stdout, stderr=stderr)
+
+
+def become_command(argv: Sequence[str], env: Mapping[str, str], *, stdin=None, stdout=None, stderr=None,
+                   cwd: str | None = None) -> NoReturn:
+    """Run ``shardshift <argv>`` in this process as ``python -m shardshift <argv>`` would, with
+    environment `env`, the standard streams redirected as `fork_rank` takes them and working
+    directory `cwd`, then end the process with the command's exit status. For a fork: nothing
+    of the process's own teardown runs (`os._exit`); the command's modules imported already are
+    not imported again."""
+    code = 1
+    try:
         _redirect(stdin, stdout, stderr)
         os.environ.clear()
         os.environ.update(env)
-        # As ``python -m shardshift <argv>`` would run (the command's own modules are imported already).
+        if cwd is not None:
+            os.chdir(cwd)
         sys.argv = ["shardshift", *argv]
         runpy.run_module("shardshift", run_name="__main__", alter_sys=True)
         code = 0
@@ -196,7 +212,7 @@ def fork_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], *, stdin=N
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        os._exit(code if isinstance(code, int) else 1)
+        os._exit(code)
 
 
 def _redirect(stdin, stdout, stderr) -> None:

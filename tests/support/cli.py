@@ -23,44 +23,13 @@ from support.dist import context
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: str | None, out: str, err: str) -> None:
-    """In the fork: a session of its own, SIGTERM when the fork server goes, the command's streams
-    into `out` and `err`; then the command, and its exit status."""
-    from shardshift.launch import die_with_parent
+    """In the fork: a session of its own, SIGTERM when the fork server goes, then the command."""
+    from shardshift.launch import become_command, die_with_parent
 
-    code = 1
-    try:
-        os.setsid()
-        die_with_parent(os.getppid())
-        for fd, path in ((1, out), (2, err)):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(target, fd)
-            os.close(target)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process ends with os._exit)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
-        os.environ.clear()
-        os.environ.update(env)
-        if cwd is not None:
-            os.chdir(cwd)
-        import runpy
-
-        sys.argv = ["shardshift", *argv]
-        runpy.run_module("shardshift", run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exit_:
-        code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
-        if isinstance(exit_.code, str):
-            print(exit_.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)
+    os.setsid()
+    die_with_parent(os.getppid())
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        become_command(argv, env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=cwd)
 
 
 def run_shardshift(argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
