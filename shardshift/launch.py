@@ -158,9 +158,7 @@ def fork_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], *, stdin=N
     other, and a lock another one held would stay locked in it."""
     name = name or f"rank-{rank}"
     parent = os.getpid()
-    for stream in (sys.stdout, sys.stderr):  # or the fork would print the same buffered text again
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    flush_standard_streams()  # or the fork would print the same buffered text again
     ready, set_ready = os.pipe()
     pid = os.fork()
     if pid:
@@ -209,10 +207,21 @@ def become_command(argv: Sequence[str], env: Mapping[str, str], *, stdin=None, s
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        flush_standard_streams()
         os._exit(code)
+
+
+def flush_standard_streams() -> None:
+    """Flush stdout and stderr, whatever became of them (a closed terminal, a stream its owner closed)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+def import_for_forks(modules: Sequence[str]) -> None:
+    """Import `modules` here, once, before forking the processes that run them (`fork_rank`)."""
+    for module in modules:
+        importlib.import_module(module)
 
 
 def _redirect(stdin, stdout, stderr) -> None:
@@ -389,8 +398,7 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
                     file.flush()
             procs: list[subprocess.Popen | Forked] = []
             try:
-                for module in preload:  # once here, instead of once in every rank
-                    importlib.import_module(module)
+                import_for_forks(preload)
                 if signals:
                     raise Interrupted("called off before the ranks started")
                 procs += start_ranks(nproc, command, os.path.join(tmp, "store"),

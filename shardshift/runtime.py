@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from shardshift.launch import STORE_ENV
+from shardshift.launch import STORE_ENV, flush_standard_streams
 
 # torch is imported where it is used: every rank parses its command line first (`in_worker`),
 # and a command that turns out to be bad input should not pay for torch.
@@ -113,11 +112,7 @@ def leave(code: int) -> NoReturn:
     by then: files (metrics, checkpoints) were closed by the code that wrote them, and the
     standard streams are flushed here.
     """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed terminal, or a stream closed by its owner
-            pass
+    flush_standard_streams()
     os._exit(code)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import json
 import os
 import shutil
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from shardshift.console import say
 from shardshift.elastic.config import ElasticConfig, parse_address
 from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat, live_joiners
-from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, Forked, fork_rank, stop
+from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, Forked, fork_rank, import_for_forks, stop
 
 PRELOAD = ("shardshift.elastic.worker", "shardshift.train.run")  # what the workers run, imported before forking
 FINISH_GRACE_S = 2.0  # after the last step, how long the processes left have to exit by themselves
@@ -105,8 +104,7 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
                 procs[name] = fork_rank(0, command, {**env, **extra}, stdin=subprocess.DEVNULL, handlers=previous,
                                         close_fds=(listener.fileno(),), name=name, **out)
 
-            for module in PRELOAD:  # once here, instead of once in every worker
-                importlib.import_module(module)
+            import_for_forks(PRELOAD)
             for rank in range(nproc):
                 start(f"worker-{rank}", list(argv),
                       {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
