@@ -445,6 +445,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "link_bytes_per_s": rate,
         "bytes_moved": report.bytes_moved,
         "bytes_kept": report.bytes_kept,
+        "bytes_handed_over": report.bytes_handed_over,
         "bytes_lower_bound": report.bytes_lower_bound,
         "bytes_total": report.bytes_total,
         "max_bytes_received": report.max_bytes_received,

@@ -16,6 +16,13 @@ segments are sent from, and received into, the state tensors themselves wherever
 contiguous: no packing copy. A transfer that fails or times out raises `TransferError` naming the
 round and the peer.
 
+Where a process keeps a whole piece unchanged (its new box of a tensor is its old box), the old
+piece's memory becomes the new piece's: the two storages swap their bytes (`_hand_over`), no byte
+is copied and no fresh page is touched. The new piece's storage has been given bytes of its own
+when it was opened, never written; the swap leaves them to the old piece, which frees them when it
+is released. Later reads of the old piece (sends in later rounds) read the new one: the same bytes.
+Pieces that do not own their storage alike (a padded FSDP shard) are copied instead.
+
 `compile_program` turns the schedule into what one process does, round by round, with every slice
 and offset worked out; it is pure and runs when the switch is prepared, so that the switch itself
 only copies and communicates. `run_program` runs it, keeping an account of the bytes of state and
@@ -78,6 +85,7 @@ class Copy:
     new: Slices
     old: Slices
     copy_of: int | None = None  # from the copy this process keeps of that lost process's piece
+    whole: bool = False  # the whole old piece is the whole new piece: handed over where it can be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +125,8 @@ def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
             recvs=tuple(_transfer(plan, m, m.src, lambda seg: plan.new_boxes[rank][seg.tensor]) for m in recvs),
             copies=tuple(
                 Copy(seg.tensor, seg.box.relative_to(plan.new_boxes[rank][seg.tensor]),
-                     seg.box.relative_to(plan.source_box(seg)), seg.copy_of)
+                     seg.box.relative_to(plan.source_box(seg)), seg.copy_of,
+                     whole=seg.copy_of is None and seg.box == plan.new_boxes[rank][seg.tensor] == plan.source_box(seg))
                 for seg in local
             ),
             closes=tuple((t, plan.piece_bytes(plan.old_boxes, rank, t)) for t in closes.get(index, ())),
@@ -151,6 +160,7 @@ class ExecStats:
     bytes_sent: int
     bytes_received: int
     bytes_copied: int  # local copies
+    bytes_handed_over: int  # kept whole pieces whose memory became the new piece's (no copy; not in bytes_copied)
     old_bytes: int  # state this process held before
     new_bytes: int  # state it holds after
     peak_bytes: int  # most state + buffers held at once during the switch (the executor's account)
@@ -176,13 +186,14 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
     start = time.perf_counter()
     account = _Account(program.old_bytes)
     new_local: dict[int, torch.Tensor] = {}
-    sent = received = copied = 0
+    old = _OldPieces(source)
+    sent = received = copied = handed = 0
     for index, step in enumerate(program.rounds):
         for tensor, nbytes, shape in step.opens:
             new_local[tensor] = sink.open(tensor)
             assert tuple(new_local[tensor].shape) == shape, (tensor, tuple(new_local[tensor].shape), shape)
             account.add(nbytes)
-        outbox = [_outgoing(m, source, device) for m in step.sends]
+        outbox = [_outgoing(m, old, device) for m in step.sends]
         inbox = [_incoming(m, new_local, device) for m in step.recvs]
         in_flight = sum(t.numel() * t.element_size() for t, fresh in outbox + inbox if fresh)
         account.add(in_flight)
@@ -193,8 +204,12 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         )
         for c in step.copies:  # overlaps the messages in flight
             target = new_local[c.tensor][c.new]
-            target.copy_(source.local(c.tensor, c.copy_of)[c.old])
-            copied += target.numel() * target.element_size()
+            nbytes = target.numel() * target.element_size()
+            if c.whole and old.hand_over(c.tensor, target):
+                handed += nbytes
+                continue
+            target.copy_(old.local(c.tensor, c.copy_of)[c.old])
+            copied += nbytes
         posted.wait(deadline)
         for message, (buf, fresh) in zip(step.recvs, inbox):
             if fresh:
@@ -216,17 +231,57 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         bytes_sent=sent,
         bytes_received=received,
         bytes_copied=copied,
+        bytes_handed_over=handed,
         old_bytes=program.old_bytes,
         new_bytes=program.new_bytes,
         peak_bytes=account.peak,
     )
 
 
+class _OldPieces:
+    """The source's old pieces, as the executor reads them: a piece handed over to the new state
+    (`_hand_over`) is read from there afterwards."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.handed: dict[int, torch.Tensor] = {}
+
+    def local(self, tensor: int, copy_of: int | None = None) -> torch.Tensor:
+        if copy_of is None and tensor in self.handed:
+            return self.handed[tensor]
+        return self.source.local(tensor, copy_of)
+
+    def hand_over(self, tensor: int, new: torch.Tensor) -> bool:
+        """Give `new` (the whole new piece, never written) the old piece's bytes; False where the
+        two cannot swap storages and the caller must copy."""
+        if not _hand_over(self.source.local(tensor), new):
+            return False
+        self.handed[tensor] = new
+        return True
+
+
+_SWAP = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)  # private in PyTorch 2.13: without it, copies
+
+
+def _hand_over(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Swap the bytes of `old`'s and `new`'s storages, where each tensor is the whole of its
+    storage, laid out alike; return whether it was done."""
+    if _SWAP is None or old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
+        return False
+    nbytes = new.numel() * new.element_size()
+    pair = (old, new)
+    if not all(t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes
+               and t.untyped_storage().resizable() for t in pair):
+        return False
+    _SWAP(new.untyped_storage(), old.untyped_storage())
+    return True
+
+
 def _packed_view(buf: torch.Tensor, part: Part) -> torch.Tensor:
     return buf[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape)
 
 
-def _outgoing(message: MessageEnd, source: Source, device: torch.device) -> tuple[torch.Tensor, bool]:
+def _outgoing(message: MessageEnd, source: _OldPieces, device: torch.device) -> tuple[torch.Tensor, bool]:
     """What to send for `message`, and whether it is a new buffer (else a view of the old piece)."""
     if message.direct:
         part = message.parts[0]

@@ -67,6 +67,7 @@ class SwitchReport:
     prepared_ahead: bool  # whether that was done before the call (then `seconds` excludes it)
     bytes_moved: int  # over all ranks
     bytes_kept: int  # copied locally, over all ranks
+    bytes_handed_over: int  # of which kept whole, the memory passed on with no copy (`reshard.execute`)
     bytes_lower_bound: int  # bytes that must move for the chosen assignment
     bytes_total: int  # all state under the new layout, replicas counted
     max_bytes_received: int  # the most any rank received: what bounds the switch's time
@@ -88,6 +89,7 @@ class SwitchReport:
             "prepared_ahead": self.prepared_ahead,
             "bytes_moved": self.bytes_moved,
             "bytes_kept": self.bytes_kept,
+            "bytes_handed_over": self.bytes_handed_over,
             "bytes_lower_bound": self.bytes_lower_bound,
             "bytes_total": self.bytes_total,
             "max_bytes_received": self.max_bytes_received,
@@ -323,6 +325,8 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
     options.reduceOp = dist.ReduceOp.MAX
     group.allreduce([worst], options).wait()  # any group with torch's methods, as the transport takes
     worst = worst.tolist()
+    handed = torch.tensor([stats.bytes_handed_over], dtype=torch.int64, device=device)
+    group.allreduce([handed]).wait()  # summed
     return SwitchReport(
         step=step,
         old=str(plan.old),
@@ -333,6 +337,7 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
         prepared_ahead=ahead,
         bytes_moved=plan.bytes_moved,
         bytes_kept=plan.bytes_kept,
+        bytes_handed_over=int(handed),
         bytes_lower_bound=plan.bytes_lower_bound,
         bytes_total=plan.bytes_total,
         max_bytes_received=worst[2],

@@ -77,6 +77,10 @@ def test_switch_is_bit_identical_to_dcp_save_and_load(tmp_path, budget):
         assert report.bytes_moved == report.bytes_lower_bound
         assert report.bytes_moved + report.bytes_kept == report.bytes_total
         assert report.rounds > 1  # the 16 KiB budget cuts every switch into rounds
+    # Whole pieces kept were handed over (no copy) in the real model's DTensor and FSDP2 tensors,
+    # and the state above is still DCP's to the bit.
+    handed = {pair: per_rank[0][pair]["report"].bytes_handed_over for pair in CASES}
+    assert handed[("float64", "pp=4", "tp=4")] > 0 and handed[("float64", "dp=2,tp=2", "fsdp=2,pp=2")] > 0, handed
 
 
 def _holdings_vs_dtensor(rank: int, world_size: int) -> tuple[list, int, int]:

@@ -49,7 +49,8 @@ def _step(metrics: Metrics, layout: str, step: int, loss: float | None = None) -
 def _switch(metrics: Metrics, step: int, old: str, new: str) -> None:
     metrics.write(SwitchReport(step=step, old=old, new=new, seconds=0.5, move_seconds=0.4, prepare_seconds=0.1,
                                prepared_ahead=True,
-                               bytes_moved=1, bytes_kept=1, bytes_lower_bound=1, bytes_total=2, max_bytes_received=1,
+                               bytes_moved=1, bytes_kept=1, bytes_handed_over=0, bytes_lower_bound=1, bytes_total=2,
+                               max_bytes_received=1,
                                rounds=1, budget=1 << 20, peak_mem_bytes=1, extra_mem_bytes=0).event())
 
 

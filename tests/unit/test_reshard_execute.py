@@ -89,6 +89,53 @@ def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
             t.nbytes for t in space.tensors)
 
 
+@pytest.mark.parametrize("owned", [True, False], ids=["own-storage", "views-of-one-buffer"])
+def test_a_whole_piece_kept_is_handed_over_not_copied_and_still_sent_from(owned):
+    """pp=2 -> dp=2: each rank keeps its stage's tensors whole (new box = old box) and sends them to
+    the other, over many rounds. Where the old pieces own their storage, the new pieces take their
+    memory (same addresses, nothing copied) and later sends read the same bytes from there; where
+    they are views of one buffer (as a padded shard is), they are copied."""
+    space = GPTSpace(CFG, torch.float32)
+    fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
+    plan = plan_transition(space, Assignment.identity(Layout(pp=2)), Layout(dp=2))
+    schedule = build_schedule(plan, 8 << 10)
+    assert len(schedule.rounds) > 1
+
+    def body(group, rank):
+        boxes = {t: box for t, box in enumerate(plan.old_boxes[rank]) if box}
+        if owned:
+            pieces = {t: _slice(fulls[t], box).clone() for t, box in boxes.items()}
+        else:  # every piece a view into one buffer: none is the whole of its storage
+            flat = torch.cat([_slice(fulls[t], box).reshape(-1).to(torch.float64) for t, box in boxes.items()])
+            pieces, at = {}, 0
+            for t, box in boxes.items():
+                pieces[t] = flat[at:at + box.numel].view(box.sizes)
+                at += box.numel
+        addresses = {t: piece.data_ptr() for t, piece in pieces.items()}
+        source = _Source(pieces)
+        sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
+                     [t.dtype for t in space.tensors])
+        stats = run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
+                            torch.device("cpu"))
+        return addresses, sink, stats
+
+    for rank, (addresses, sink, stats) in enumerate(run_ranks(2, body)):
+        # Tensors whose local copy the schedule kept in one piece (a larger one it cuts to fit rounds)
+        whole = {seg.tensor for index in range(len(schedule.rounds)) for seg in schedule.messages(index, rank)[2]
+                 if seg.box == plan.new_boxes[rank][seg.tensor] == plan.old_boxes[rank][seg.tensor]}
+        assert whole and stats.bytes_sent > 0
+        for t, box in enumerate(plan.new_boxes[rank]):
+            if box is not None:
+                assert torch.equal(sink.pieces[t], _slice(fulls[t], box).to(sink.pieces[t].dtype)), t
+        whole_bytes = sum(plan.piece_bytes(plan.new_boxes, rank, t) for t in whole)
+        if owned:
+            assert all(sink.pieces[t].data_ptr() == addresses[t] for t in whole)
+            assert stats.bytes_handed_over == whole_bytes
+        else:
+            assert not any(sink.pieces[t].data_ptr() == addresses[t] for t in whole)
+            assert stats.bytes_handed_over == 0 and stats.bytes_copied >= whole_bytes
+
+
 def test_a_lost_process_s_pieces_come_from_the_copies_survivors_keep():
     """fsdp=4 with --redundancy 1 (each rank's pieces copied on the next); rank 1 is lost and the
     three others go to fsdp=3: rank 2 sends (and keeps) rank 1's pieces from its copies."""
