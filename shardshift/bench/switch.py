@@ -53,9 +53,12 @@ rst/sw and sw/lim strayed from its median, as a fraction. Peak and extra memory 
 any repeat, mismatches their sum. Each repeat measures its own link rate, so the limit is always
 of the same moment as the switch.
 
-Before each transition every rank hands the memory its allocator keeps free back to the system
-(glibc's ``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed
-pieces of earlier transitions would otherwise count against the machine's memory twice.
+Before a restart every rank hands the memory its allocator keeps free back to the system (glibc's
+``malloc_trim``): the restart's fresh processes run beside the bench's own, and freed pieces of
+earlier transitions would otherwise count against the machine's memory twice. Nothing is handed
+back right before a switch: a running job does not do it either (its steps free gradients and
+activations, which its allocator keeps for reuse), and a switch after such a trim would take every
+new piece on pages the kernel must first fault in and zero.
 
 With ``predict``, more figures are measured before each switch on the same processes, and make
 an α–β model of this machine (`simulate.cluster`: one host of `nproc` GPUs) on which the switch's
@@ -65,7 +68,9 @@ own schedule is timed:
   machine is not shared; the link rate of step 1 times the ranks is what the machine moves at
   most (the host's bandwidth);
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
-- the rates of a local copy into fresh memory, from a contiguous and from a strided slice.
+- the rates of a local copy into memory touched before, from a contiguous and from a strided
+  slice, by one rank while the others wait (a core to itself); on CPU the ranks' copies and
+  gloo's transfers take turns on the machine's cores (`Cluster.host_cores`).
 
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
@@ -244,22 +249,39 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
 
 
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
-    """Bytes per second of a local copy of `nbytes` into memory allocated for it, as a switch copies
-    into the new pieces and message buffers it allocates (first touches of fresh pages included;
-    best of three, after a warm-up). `strided`: out of every other 1 KiB run of a twice larger
-    matrix, as a column slice of a tensor-parallel weight is cut."""
+    """Bytes per second of a local copy of `nbytes` into memory touched before, as a switch copies
+    into new pieces its allocator mostly takes from memory freed by the steps before (best of
+    three, after a warm-up that touches the destination). `strided`: out of every other 1 KiB run
+    of a twice larger matrix, as a column slice of a tensor-parallel weight is cut."""
     rows = max(1, nbytes // 1024)
     src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
         torch.ones((rows, 1024), dtype=torch.uint8, device=device)
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
     best = float("inf")
     for rep in range(4):
         start = time.perf_counter()
-        torch.empty(src.shape, dtype=src.dtype, device=device).copy_(src)
+        dst.copy_(src)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if rep:
             best = min(best, time.perf_counter() - start)
     return src.numel() / best
+
+
+def _lone_copy_rates(nbytes: int, device: torch.device) -> tuple[float, float]:
+    """Rank 0's contiguous and strided `copy_rate`, measured while the other ranks wait: the rate
+    of one copy with a core to itself; every rank gets it."""
+    rates = torch.zeros(2, dtype=torch.float64, device=device)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        rates[0], rates[1] = copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True)
+    dist.broadcast(rates, 0)
+    return float(rates[0]), float(rates[1])
+
+
+def _cores() -> int:
+    """The processors this rank may run on (its affinity), which the machine's ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.device) -> float:
@@ -268,12 +290,13 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
 
     alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided = (-_max_over_ranks(-copy_rate(opts.p2p_bytes, device, strided), device)  # the slowest rank's
-                       for strided in (False, True))
+    copies, strided = _lone_copy_rates(opts.p2p_bytes, device)
     world = dist.get_world_size()
+    # On CUDA each GPU copies on its own; on CPU the ranks' copies and gloo's transfers share the cores.
+    cores = 0 if device.type == "cuda" else _cores()
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
-                      strided_copy_bandwidth=strided, name="this machine")
+                      strided_copy_bandwidth=strided, host_cores=cores, name="this machine")
     return predict(schedule, machine).seconds
 
 
@@ -395,12 +418,12 @@ def summarise(records: list[dict]) -> dict:
 def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> dict:
     """Steps 1 to 6 of the module's docstring for one transition; the record (complete on rank 0)."""
     before, rank, device = trainer.cfg.layout, trainer.rank, trainer.par.device
-    _return_free_memory()
     rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
     partial, save_s = _timed(lambda: checkpoint.write(trainer, str(root / "ckpt")), device)
     path, seal_s = _timed(lambda: checkpoint.publish(trainer, partial), device)
     restart, restart_error = None, None
     if opts.restart:
+        _return_free_memory()
         if rank == 0:
             try:
                 restart = restart_job(trainer.cfg.with_layout(after), path, trainer.progress.step,

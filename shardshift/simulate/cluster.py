@@ -13,8 +13,11 @@ A round of the schedule (`reshard.schedule`) takes, on this model, the longest o
 and NIC's busy time, and of every host's switch: bytes ÷ bandwidth, in and out separately, and
 the bytes moved inside the host ÷ `host_bandwidth`; plus one latency per message a GPU
 sends or receives, plus its copies at `copy_bandwidth` (HBM class by default), or `strided_copy_bandwidth` where
-a slice is not contiguous. The copies are the executor's (`reshard.execute`): every local piece
-once; a moved piece once at the sender unless it travels alone from a contiguous slice of the old
+a slice is not contiguous. On a host whose processors both copy and move the bytes (`host_cores`:
+a CPU host, where gloo moves bytes with the cores that copy), the host's time is its bytes moved ÷
+`host_bandwidth` plus the seconds of every copy its GPUs make ÷ its cores. The copies are the
+executor's (`reshard.execute`): every local piece once, but none for a whole piece kept (new box =
+old box: its memory is handed over); a moved piece once at the sender unless it travels alone from a contiguous slice of the old
 piece, and once at the receiver unless it travels alone into a contiguous slice of the new piece
 (small pieces are packed into one message per pair, copied in and out). Rounds run one after
 another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
@@ -47,6 +50,7 @@ class Cluster:
     latency: float = 5e-6
     copy_bandwidth: float = 1e12  # bytes/s of a local copy of contiguous memory (HBM class)
     strided_copy_bandwidth: float = 0.0  # bytes/s of a copy to or from a non-contiguous slice (0: copy_bandwidth)
+    host_cores: int = 0  # processors that make a host's copies and move its bytes too (a CPU host); 0: GPUs copy apart
     name: str = "cluster"
 
     def __post_init__(self) -> None:
@@ -54,6 +58,8 @@ class Cluster:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"cluster {field}={value!r} must be an integer >= 1")
+        if not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool) or self.host_cores < 0:
+            raise ValueError(f"cluster host_cores={self.host_cores!r} must be an integer >= 0 (0: GPUs copy apart)")
         if not self.strided_copy_bandwidth:
             object.__setattr__(self, "strided_copy_bandwidth", self.copy_bandwidth)
         if not self.host_bandwidth:
@@ -120,7 +126,7 @@ class Prediction:
     inter_host_bytes: int
     busiest_nic_bytes: int  # in or out, the most of any NIC
     busiest_gpu_bytes: int  # received by one GPU from others
-    copy_bytes: int  # local pieces copied, the most of any GPU
+    copy_bytes: int  # local pieces copied (not handed over), the most of any GPU
 
 
 def predict(schedule, cluster: Cluster) -> Prediction:
@@ -141,15 +147,19 @@ def predict(schedule, cluster: Cluster) -> Prediction:
             entry.nbytes += nbytes
             entry.direct += direct
             entry.packed |= not direct
-            at_source = contiguous(piece.box, plan.old_classes[piece.tensor].boxes[piece.flow.a])
-            at_target = contiguous(piece.box, plan.new_classes[piece.tensor].boxes[piece.flow.b])
+            old_box = plan.old_classes[piece.tensor].boxes[piece.flow.a]
+            new_box = plan.new_classes[piece.tensor].boxes[piece.flow.b]
+            at_source, at_target = contiguous(piece.box, old_box), contiguous(piece.box, new_box)
             seconds = [0.0 if direct and whole else nbytes / (cluster.copy_bandwidth if whole else
                                                               cluster.strided_copy_bandwidth)
                        for whole in (at_source, at_target)]
             entry.send_copy_seconds += seconds[0]
             entry.recv_copy_seconds += seconds[1]
-            slowest = cluster.copy_bandwidth if at_source and at_target else cluster.strided_copy_bandwidth
-            entry.local_copy_seconds += nbytes / slowest
+            if piece.box == old_box == new_box:  # a whole piece kept is handed over, not copied
+                entry.handed += nbytes
+            else:
+                slowest = cluster.copy_bandwidth if at_source and at_target else cluster.strided_copy_bandwidth
+                entry.local_copy_seconds += nbytes / slowest
         for entry in by_flow.values():
             tally.add(entry, cluster)
         rounds.append(tally.seconds(cluster))
@@ -186,6 +196,7 @@ class _FlowRound:
     send_copy_seconds: float = 0.0
     recv_copy_seconds: float = 0.0
     local_copy_seconds: float = 0.0  # for a destination that holds the piece itself
+    handed: int = 0  # bytes of it that such a destination keeps whole (handed over, not copied)
 
 
 class _Tally:
@@ -202,7 +213,7 @@ class _Tally:
     def add(self, entry: _FlowRound, cluster: Cluster) -> None:
         flow, nbytes, direct = entry.flow, entry.nbytes, entry.direct
         local = flow.src == flow.dst
-        np.add.at(self.copied, flow.dst[local], nbytes)
+        np.add.at(self.copied, flow.dst[local], nbytes - entry.handed)
         np.add.at(self.copying, flow.dst[local], entry.local_copy_seconds)
         src, dst = flow.src[~local], flow.dst[~local]
         np.add.at(self.copying, src, entry.send_copy_seconds)
@@ -235,5 +246,8 @@ class _Tally:
                + self.messages * cluster.intra_latency + self.remote_messages * cluster.latency
                + self.copying)
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
-        switch = np.bincount(cluster.host(np.arange(self.n)), weights=self.intra_in) / cluster.host_bandwidth
+        hosts = cluster.host(np.arange(self.n))
+        switch = np.bincount(hosts, weights=self.intra_in) / cluster.host_bandwidth
+        if cluster.host_cores:  # copies take turns with the transfers on the host's cores
+            switch = switch + np.bincount(hosts, weights=self.copying) / cluster.host_cores
         return float(max(gpu.max(initial=0), nic.max(initial=0), switch.max(initial=0)))

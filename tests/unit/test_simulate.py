@@ -4,6 +4,7 @@ planning."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -99,6 +100,27 @@ def test_a_host_moves_at_most_its_own_bandwidth():
     times = [simulate_switch(space, Layout(fsdp=4), Layout(dp=4), c, budget=1 << 40).prediction for c in (free, shared)]
     assert times[1].seconds == pytest.approx(4 * times[0].seconds, rel=0.01)  # 12 quarters at 4 GB/s vs 3
     assert times[1].limit_seconds == pytest.approx(times[1].seconds, rel=0.01)
+
+
+def test_copies_take_turns_on_a_cpu_host_s_cores_and_a_whole_piece_kept_costs_none():
+    # dp=4 -> fsdp=4 only copies: each rank a quarter of its replica. On 2 cores shared by 4 ranks
+    # the copies take twice as long as on 4 GPUs copying apart; fsdp=2,tp=2 -> itself keeps
+    # every piece whole, which is handed over.
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    apart = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, intra_latency=0.0, copy_bandwidth=1e9)
+    cores = dataclasses.replace(apart, host_cores=2)
+    sims = [simulate_switch(space, Layout(dp=4), Layout(fsdp=4), c, budget=1 << 40) for c in (apart, cores)]
+    assert sims[0].plan.bytes_moved == 0
+    # Apart: a rank's own copies (pieces kept whole cost none); on the cores: the
+    # four ranks' copies, two at a time.
+    assert 0 < sims[0].prediction.copy_bytes * 4 < sims[0].plan.bytes_kept
+    assert sims[0].prediction.seconds == pytest.approx(sims[0].prediction.copy_bytes / 1e9, rel=0.01)
+    assert sims[1].prediction.seconds == pytest.approx(2 * sims[0].prediction.seconds, rel=0.01)
+    same = simulate_switch(space, Layout(fsdp=2, tp=2), Layout(fsdp=2, tp=2), cores, budget=1 << 40)
+    assert same.plan.bytes_kept > 0 and same.prediction.seconds == 0
+    with pytest.raises(ValueError, match="host_cores"):
+        Cluster(host_cores=-1)
 
 
 def test_the_shipped_cluster_file_reads_as_the_topology_preset():
