@@ -59,6 +59,16 @@ def _slice(full: torch.Tensor, box: Box) -> torch.Tensor:
     return full[box.relative_to(Box.full(tuple(full.shape)))]
 
 
+def _run(schedule, rank: int, group, source: _Source) -> tuple[_Sink, object]:
+    """Run `rank`'s part of `schedule` from `source` into a fresh sink; the sink and the stats."""
+    plan = schedule.plan
+    sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
+                 [t.dtype for t in plan.tensors])
+    stats = run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
+                        torch.device("cpu"))
+    return sink, stats
+
+
 @pytest.mark.parametrize("old, new", [("dp=4", "fsdp=2,tp=2"), ("fsdp=4", "tp=2,pp=2"), ("pp=2,tp=2", "dp=2,fsdp=2"),
                                       ("tp=4", "pp=4")])
 def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
@@ -70,10 +80,7 @@ def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
 
     def body(group, rank):
         source = _Source({t: _slice(fulls[t], box).clone() for t, box in enumerate(plan.old_boxes[rank]) if box})
-        sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
-                     [t.dtype for t in space.tensors])
-        stats = run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
-                            torch.device("cpu"))
+        sink, stats = _run(schedule, rank, group, source)
         return source, sink, stats
 
     for rank, (source, sink, stats) in enumerate(run_ranks(4, body)):
@@ -112,11 +119,7 @@ def test_a_whole_piece_kept_is_handed_over_not_copied_and_still_sent_from(owned)
                 pieces[t] = flat[at:at + box.numel].view(box.sizes)
                 at += box.numel
         addresses = {t: piece.data_ptr() for t, piece in pieces.items()}
-        source = _Source(pieces)
-        sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
-                     [t.dtype for t in space.tensors])
-        stats = run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
-                            torch.device("cpu"))
+        sink, stats = _run(schedule, rank, group, _Source(pieces))
         return addresses, sink, stats
 
     for rank, (addresses, sink, stats) in enumerate(run_ranks(2, body)):
@@ -154,12 +157,7 @@ def test_a_lost_process_s_pieces_come_from_the_copies_survivors_keep():
             return None  # lost: it takes no part
         pieces = {t: _slice(fulls[t], box).clone() for t, box in enumerate(plan.old_boxes[rank]) if box}
         copies = {(of, t): _slice(fulls[t], boxes[of][t]).clone() for holder, of, t in plan.copies if holder == rank}
-        source = _Source(pieces, copies)
-        sink = _Sink({t: box.sizes for t, box in enumerate(plan.new_boxes[rank]) if box},
-                     [t.dtype for t in space.tensors])
-        run_program(compile_program(schedule, rank), source, sink, Transport(group), Deadline.after(30),
-                    torch.device("cpu"))
-        return sink
+        return _run(schedule, rank, group, _Source(pieces, copies))[0]
 
     for rank, sink in enumerate(run_ranks(4, body)):
         if rank == 1:
