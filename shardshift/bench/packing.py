@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import json
 import statistics
+import sys
 import time
 
 import networkx as nx
@@ -332,16 +333,15 @@ def _scale_row(family: str, hosts: int, topology, op: Collective, runs: int) -> 
 
 def _run_scale(opts: PackingBenchOptions) -> int:
     started = time.perf_counter()
-    if not opts.json:
-        _print_scale_header(opts.runs)
+    out = sys.stderr if opts.json else sys.stdout  # rows as they come: a run takes minutes
+    _print_scale_header(opts.runs, out)
     rows = []
     for family in opts.families:
         for hosts in opts.hosts or SCALE_FAMILIES[family][1]:
             topology = scale_topology(family, hosts)
             for op in opts.ops:
                 rows.append(_scale_row(family, hosts, topology, op, opts.runs))
-                if not opts.json:  # as they come: a run takes minutes
-                    _print_scale_row(rows[-1])
+                _print_scale_row(rows[-1], out)
     families = {f: SCALE_FAMILIES[f][0] for f in opts.families}
     settings = {"method": "mwu", "keep": 1.0, "patience": SCALE_PATIENCE, "allreduce_roots": 1}
     result = {"scale": {"bytes": SCALE_BYTES, "runs": opts.runs, "families": families, "settings": settings,
@@ -353,16 +353,16 @@ def _run_scale(opts: PackingBenchOptions) -> int:
     return 0
 
 
-def _print_scale_header(runs: int) -> None:
+def _print_scale_header(runs: int, out) -> None:
     print(f"Packing at scale: multiplicative weights, {runs} solve(s) a row (median, min-max); a 1 GiB "
-          "call predicted on the trees, on one ring in rank order, and on a ring per NIC")  # fmt: skip
+          "call predicted on the trees, on one ring in rank order, and on a ring per NIC", file=out)  # fmt: skip
     print(f"{'family':<10} {'topology':<20} {'hosts':>5} {'ranks':>5} {'op':<9} {'solve s':>17} {'rate/bound':>10}"
-          f" {'trees':>5} {'depth':>5} {'trees ms':>8} {'ring ms':>8} {'rings ms':>8}", flush=True)  # fmt: skip
+          f" {'trees':>5} {'depth':>5} {'trees ms':>8} {'ring ms':>8} {'rings ms':>8}", file=out, flush=True)  # fmt: skip
 
 
-def _print_scale_row(r: dict) -> None:
+def _print_scale_row(r: dict, out) -> None:
     times = r["solve_seconds_runs"]
     solve = f"{r['solve_seconds']:.1f} ({min(times):.1f}-{max(times):.1f})"
     print(f"{r['family']:<10} {r['topology']:<20} {r['hosts']:>5} {r['ranks']:>5} {r['op']:<9} {solve:>17}"
           f" {r['ratio']:>10.4f} {r['num_trees']:>5} {r['depth']:>5} {r['predicted_ms']:>8.1f} {r['ring_ms']:>8.1f}"
-          f" {r['rings_ms']:>8.1f}", flush=True)  # fmt: skip
+          f" {r['rings_ms']:>8.1f}", file=out, flush=True)  # fmt: skip

@@ -436,9 +436,11 @@ def test_predicted_times_add_route_latencies():
 
 
 def test_bench_packing_scale_small(capsys):
-    code, out, _ = _cli(["bench", "packing", "--scale", "--hosts", "4", "--families", "fat-tree,rails-gpu",
-                         "--json"], capsys)  # fmt: skip
+    code, out, err = _cli(["bench", "packing", "--scale", "--hosts", "4", "--families", "fat-tree,rails-gpu",
+                           "--json"], capsys)  # fmt: skip
     rows = json.loads(out)["scale"]["rows"]
+    # With --json the rows still show as they come, on stderr: a header and one line a row.
+    assert err.startswith("Packing at scale") and len(err.strip().splitlines()) == 2 + len(rows)
     assert code == 0 and [(r["family"], r["ranks"], r["op"]) for r in rows] == [
         ("fat-tree", 4, "broadcast"), ("fat-tree", 4, "allreduce"),
         ("rails-gpu", 32, "broadcast"), ("rails-gpu", 32, "allreduce")]  # fmt: skip
