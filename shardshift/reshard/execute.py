@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
-from shardshift.reshard.plan import TransitionPlan
+from shardshift.reshard.plan import Segment, TransitionPlan
 from shardshift.reshard.schedule import Message, SwitchSchedule
 
 
@@ -123,12 +123,7 @@ def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
                         for t in opens.get(index, ())),
             sends=tuple(_transfer(plan, m, m.dst, plan.source_box, sending=True) for m in sends),
             recvs=tuple(_transfer(plan, m, m.src, lambda seg: plan.new_boxes[rank][seg.tensor]) for m in recvs),
-            copies=tuple(
-                Copy(seg.tensor, seg.box.relative_to(plan.new_boxes[rank][seg.tensor]),
-                     seg.box.relative_to(plan.source_box(seg)), seg.copy_of,
-                     whole=seg.copy_of is None and seg.box == plan.new_boxes[rank][seg.tensor] == plan.source_box(seg))
-                for seg in local
-            ),
+            copies=tuple(_copy(plan, seg, plan.new_boxes[rank][seg.tensor]) for seg in local),
             closes=tuple((t, plan.piece_bytes(plan.old_boxes, rank, t)) for t in closes.get(index, ())),
         ))
     spans = schedule.tensor_rounds
@@ -141,6 +136,13 @@ def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
         old_bytes=plan.held_bytes(plan.old_boxes, rank),
         new_bytes=plan.held_bytes(plan.new_boxes, rank),
     )
+
+
+def _copy(plan: TransitionPlan, seg: Segment, new_box) -> Copy:
+    """A local segment as this process copies it into its new piece (of box `new_box`)."""
+    old_box = plan.source_box(seg)
+    return Copy(seg.tensor, seg.box.relative_to(new_box), seg.box.relative_to(old_box), seg.copy_of,
+                whole=seg.copy_of is None and seg.box == new_box == old_box)
 
 
 def _transfer(plan: TransitionPlan, message: Message, peer: int, box_of, sending: bool = False) -> MessageEnd:
