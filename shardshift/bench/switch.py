@@ -404,6 +404,8 @@ def summarise(records: list[dict]) -> dict:
             out[key] = sum(values)
         elif key == "restart_error":
             out[key] = next((v for v in values if v), None)
+        elif key == "move_phases":
+            out[key] = {name: statistics.median(v[name] for v in values) for name in value}
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and None not in values:
             out[key] = statistics.median(values)
     for key in SPREAD:
@@ -453,6 +455,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "steps_taken": steps_taken,  # optimizer steps before the switch
         "switch_seconds": switch_s,
         "move_seconds": report.move_seconds,
+        "move_phases": report.move_phases,  # where the rounds spent it, each phase's slowest rank
         "prepare_seconds": report.prepare_seconds,
         "dcp_seconds": save_s + load_s,
         "dcp_save_seconds": save_s,

@@ -19,14 +19,17 @@ waited on; two ranks that post matching rounds in the same order therefore never
 other in a cycle. On CUDA tensors the round is one batch (`torch.distributed.batch_isend_irecv`,
 which NCCL needs so that a send and a receive between the same two ranks do not block each
 other); on gloo they are separate calls, since gloo's batched form is known to hang
-(docs/background.md).
+(docs/background.md). There a round's sends may be produced lazily (a generator: each is posted
+as soon as it is produced, so packing the next overlaps the transfer of the last), and its
+receives can be taken one by one as they complete (`PostedRound.received`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -71,14 +74,40 @@ class PeerOp(NamedTuple):
 
 
 class PostedRound:
-    """A round's sends and receives, posted; `wait` for all of them."""
+    """A round's sends and receives, posted; `wait` for all of them, or take the receives as they
+    complete (`received`)."""
 
-    def __init__(self, transport: Transport, works: list, ops: list[tuple[bool, PeerOp]], what: Describe) -> None:
+    def __init__(self, transport: Transport, works: list, ops: list[tuple[bool, PeerOp]], what: Describe,
+                 batched: bool = False) -> None:
         self._transport, self._works, self._ops, self._what = transport, works, ops, what
+        self._batched = batched  # one work stands for the whole round (a CUDA batch)
+        self._done = [False] * len(ops)
+
+    def _wait(self, index: int, deadline: Deadline) -> None:
+        if self._done[index]:
+            return
+        is_send, op = self._ops[index]
+        if self._batched:
+            for work in self._works:
+                self._transport.wait(work, deadline, op.peer, lambda: _describe_op(self._what, is_send, op))
+            self._done = [True] * len(self._ops)
+            return
+        self._transport.wait(self._works[index], deadline, op.peer, lambda: _describe_op(self._what, is_send, op))
+        self._done[index] = True
+
+    def received(self, deadline: Deadline) -> Iterator[int]:
+        """Wait for each receive in the order posted, yielding its index among the receives once
+        its bytes have arrived (on a batch, after the whole batch)."""
+        index = 0
+        for position, (is_send, _) in enumerate(self._ops):
+            if not is_send:
+                self._wait(position, deadline)
+                yield index
+                index += 1
 
     def wait(self, deadline: Deadline) -> None:
-        for work, (is_send, op) in zip(self._works, self._ops):
-            self._transport.wait(work, deadline, op.peer, lambda: _describe_op(self._what, is_send, op))
+        for position in range(len(self._ops)):
+            self._wait(position, deadline)
 
 
 class Transport:
@@ -112,18 +141,26 @@ class Transport:
         """The error for `what` (done with `peer`) that failed `how`."""
         return TransferError(f"rank {self.rank}: {_text(what)} {how}", peer=peer)
 
-    def post_round(self, sends: Sequence[PeerOp], recvs: Sequence[PeerOp], what: Describe) -> PostedRound:
+    def post_round(self, sends: Iterable[PeerOp], recvs: Sequence[PeerOp], what: Describe) -> PostedRound:
         """Post a round: every receive, then every send, none waited on (see the module docstring).
-        Messages to the same peer with the same tag are matched in the order given."""
-        ops = [(False, op) for op in recvs] + [(True, op) for op in sends]
-        if ops and ops[0][1].tensor.is_cuda:
+        Messages to the same peer with the same tag are matched in the order given. `sends` may be
+        a generator: on gloo each send is posted as soon as it is produced, so the first ones travel
+        while the next are still being packed."""
+        sends = iter(sends)
+        first = [] if recvs else [op for op in [next(sends, None)] if op is not None]
+        probe = [*recvs, *first]
+        ops = [(False, op) for op in recvs]
+        if probe and probe[0].tensor.is_cuda:  # NCCL: one batch, so the whole round first
             import torch.distributed as dist
 
+            ops += [(True, op) for op in itertools.chain(first, sends)]
             batch = [dist.P2POp(dist.isend if is_send else dist.irecv, op.tensor, group=self.group,
                                 tag=op.tag, group_peer=op.peer) for is_send, op in ops]  # fmt: skip
-            works = dist.batch_isend_irecv(batch)
-        else:
-            works = [(self.send if is_send else self.recv)(op.tensor, op.peer, op.tag) for is_send, op in ops]
+            return PostedRound(self, dist.batch_isend_irecv(batch), ops, what, batched=True)
+        works = [self.recv(op.tensor, op.peer, op.tag) for _, op in ops]
+        for op in itertools.chain(first, sends):
+            works.append(self.send(op.tensor, op.peer, op.tag))
+            ops.append((True, op))
         return PostedRound(self, works, ops, what)
 
 

@@ -16,6 +16,12 @@ segments are sent from, and received into, the state tensors themselves wherever
 contiguous: no packing copy. A transfer that fails or times out raises `TransferError` naming the
 round and the peer.
 
+A round, as one process runs it: allocate the new pieces it starts; post every receive; pack and
+post the sends one by one (the first travel while the next are packed); make the local copies
+while the messages are in flight; take the receives in order, unpacking each as soon as it is in
+(while the later ones still travel); wait for the sends; free the old pieces it ends. The seconds
+of each phase (`PHASES`) come back in `ExecStats.phases`: the switch's own profile.
+
 Where a process keeps a whole piece unchanged (its new box of a tensor is its old box), the old
 piece's memory becomes the new piece's: the two storages swap their bytes (`_hand_over`), no byte
 is copied and no fresh page is touched. The new piece's storage has been given bytes of its own
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -166,6 +173,7 @@ class ExecStats:
     old_bytes: int  # state this process held before
     new_bytes: int  # state it holds after
     peak_bytes: int  # most state + buffers held at once during the switch (the executor's account)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each of `PHASES`
 
 
 class _Account:
@@ -190,20 +198,25 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
     new_local: dict[int, torch.Tensor] = {}
     old = _OldPieces(source)
     sent = received = copied = handed = 0
+    clock = _Phases()
     for index, step in enumerate(program.rounds):
+        clock.lap()
         for tensor, nbytes, shape in step.opens:
             new_local[tensor] = sink.open(tensor)
             assert tuple(new_local[tensor].shape) == shape, (tensor, tuple(new_local[tensor].shape), shape)
             account.add(nbytes)
-        outbox = [_outgoing(m, old, device) for m in step.sends]
+        clock.lap("open")
         inbox = [_incoming(m, new_local, device) for m in step.recvs]
-        in_flight = sum(t.numel() * t.element_size() for t, fresh in outbox + inbox if fresh)
+        outbox: list[torch.Tensor] = []  # the packed sends, held until the round is done
+        in_flight = sum(buf.numel() * buf.element_size() for buf, fresh in inbox if fresh)
         account.add(in_flight)
         posted = transport.post_round(
-            [PeerOp(m.peer, buf, index) for m, (buf, _) in zip(step.sends, outbox)],
+            _sends(step, index, old, device, outbox, account),
             [PeerOp(m.peer, buf, index) for m, (buf, _) in zip(step.recvs, inbox)],
             f"switch round {index + 1} of {len(program.rounds)}",
         )
+        in_flight += sum(buf.numel() * buf.element_size() for buf in outbox)
+        clock.lap("send")
         for c in step.copies:  # overlaps the messages in flight
             target = new_local[c.tensor][c.new]
             nbytes = target.numel() * target.element_size()
@@ -212,17 +225,22 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
                 continue
             target.copy_(old.local(c.tensor, c.copy_of)[c.old])
             copied += nbytes
-        posted.wait(deadline)
-        for message, (buf, fresh) in zip(step.recvs, inbox):
+        clock.lap("copy")
+        for i in posted.received(deadline):  # each unpacked while the later ones still travel
+            buf, fresh = inbox[i]
             if fresh:
-                _unpack(message, buf, new_local)
+                _unpack(step.recvs[i], buf, new_local)
+        clock.lap("receive")
+        posted.wait(deadline)
+        clock.lap("wait")
         sent += sum(m.nbytes for m in step.sends)
         received += sum(m.nbytes for m in step.recvs)
         account.sub(in_flight)
-        del outbox, inbox
+        del outbox, inbox, posted
         for tensor, nbytes in step.closes:
             source.release(tensor)
             account.sub(nbytes)
+        clock.lap("close")
     for tensor in program.idle_opens:
         sink.open(tensor)
     for tensor in program.idle_closes:
@@ -237,7 +255,29 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         old_bytes=program.old_bytes,
         new_bytes=program.new_bytes,
         peak_bytes=account.peak,
+        phases=clock.seconds,
     )
+
+
+# Where a switch's rounds spend their time (`ExecStats.phases`), in the order a round runs them:
+# allocating new pieces; packing and posting the sends (the first travel while the next are
+# packed); local copies (while messages are in flight); waiting for each receive and unpacking it
+# (while the later ones travel); waiting for the sends still in flight; freeing old pieces.
+PHASES = ("open", "send", "copy", "receive", "wait", "close")
+
+
+class _Phases:
+    """Seconds spent in each of `PHASES` (`lap(name)` books the time since the last lap)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, name: str | None = None) -> None:
+        now = time.perf_counter()
+        if name is not None:
+            self.seconds[name] += now - self._last
+        self._last = now
 
 
 class _OldPieces:
@@ -295,6 +335,18 @@ def _outgoing(message: MessageEnd, source: _OldPieces, device: torch.device) -> 
     for part in message.parts:
         _packed_view(buf, part).copy_(source.local(part.tensor, part.copy_of)[part.where])
     return buf, True
+
+
+def _sends(step: RoundWork, index: int, source: _OldPieces, device: torch.device, outbox: list[torch.Tensor],
+           account: _Account) -> Iterator[PeerOp]:
+    """The round's sends, each packed only when the transport asks for it (it posts the first
+    while the next is packed); new buffers go to `outbox` and into the account."""
+    for m in step.sends:
+        buf, fresh = _outgoing(m, source, device)
+        if fresh:
+            outbox.append(buf)
+            account.add(buf.numel() * buf.element_size())
+        yield PeerOp(m.peer, buf, index)
 
 
 def _incoming(message: MessageEnd, new_local: dict[int, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 
 from shardshift.comm.p2p import Deadline, Transport
 from shardshift.layout import Layout
-from shardshift.reshard.execute import ExecStats, SwitchProgram, compile_program, run_program
+from shardshift.reshard.execute import PHASES, ExecStats, SwitchProgram, compile_program, run_program
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
 from shardshift.reshard.schedule import DEFAULT_BUDGET, SwitchSchedule, build_schedule
 from shardshift.train.config import TrainConfig
@@ -76,6 +76,9 @@ class SwitchReport:
     peak_mem_bytes: int  # the most state + buffers any rank held during the switch
     extra_mem_bytes: int  # the most any rank held beyond max(its old state, its new state)
     device_peak_bytes: int | None = None  # on CUDA: the caching allocator's peak, worst rank
+    # Of `move_seconds`, the seconds in each phase of the rounds (`reshard.execute.PHASES`), each the
+    # slowest rank's in that phase (so they need not add up to `move_seconds`).
+    move_phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def event(self) -> dict:
         return {
@@ -98,6 +101,7 @@ class SwitchReport:
             "peak_mem_bytes": self.peak_mem_bytes,
             "extra_mem_bytes": self.extra_mem_bytes,
             "device_peak_bytes": self.device_peak_bytes,
+            "move_phases": self.move_phases,
         }
 
 
@@ -320,6 +324,7 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
     device_peak = torch.cuda.max_memory_allocated() if on_cuda else 0
     figures = [stats.peak_bytes, extra, stats.bytes_received, device_peak, int(seconds * 1e9),
                int(prepared.seconds * 1e9), int(stats.seconds * 1e9)]
+    figures += [int(stats.phases.get(name, 0.0) * 1e9) for name in PHASES]
     worst = torch.tensor(figures, dtype=torch.int64, device=device)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
@@ -346,4 +351,5 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
         peak_mem_bytes=worst[0],
         extra_mem_bytes=worst[1],
         device_peak_bytes=worst[3] if on_cuda else None,
+        move_phases={name: ns / 1e9 for name, ns in zip(PHASES, worst[7:])},
     )

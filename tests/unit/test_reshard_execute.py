@@ -12,7 +12,7 @@ import torch
 from shardshift.comm import Deadline, TransferError, Transport
 from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout
-from shardshift.reshard.execute import compile_program, run_program
+from shardshift.reshard.execute import PHASES, compile_program, run_program
 from shardshift.reshard.plan import Assignment, holdings_of, plan_transition
 from shardshift.reshard.schedule import ALIGN, build_schedule
 from shardshift.reshard.space import Box
@@ -94,6 +94,9 @@ def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
         assert sum(received) <= stats.bytes_received <= sum(received) + ALIGN * len(received)
         assert stats.peak_bytes - max(stats.old_bytes, stats.new_bytes) <= schedule.budget + max(
             t.nbytes for t in space.tensors)
+        # The profile: every phase of the rounds booked, together no more than the whole.
+        assert tuple(stats.phases) == PHASES and min(stats.phases.values()) >= 0
+        assert sum(stats.phases.values()) <= stats.seconds
 
 
 @pytest.mark.parametrize("owned", [True, False], ids=["own-storage", "views-of-one-buffer"])

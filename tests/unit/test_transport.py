@@ -44,6 +44,39 @@ def test_messages_of_a_tag_match_in_order():
     assert run_ranks(2, body)[1] == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_sends_given_lazily_are_posted_after_every_receive_and_receives_are_taken_as_they_arrive():
+    """A round's sends may come from a generator (the executor packs each while the ones before it
+    travel): every receive is posted before the first send is produced, each send is posted as it
+    is produced, and `received` hands out each receive, in order, with its bytes already there."""
+    n = 3
+
+    def body(group, rank):
+        transport = Transport(group)
+        peers = [p for p in range(n) if p != rank]
+        inbox = [torch.full((4,), -1.0) for _ in peers]
+        events = []
+        real_send, real_recv = transport.send, transport.recv
+        transport.send = lambda t, peer, tag=0: events.append(("send", peer)) or real_send(t, peer, tag)
+        transport.recv = lambda t, peer, tag=0: events.append(("recv", peer)) or real_recv(t, peer, tag)
+
+        def sends():
+            for p in peers:
+                events.append(("packed", p))
+                yield PeerOp(p, torch.full((4,), float(10 * rank + p)), tag=2)
+
+        posted = transport.post_round(sends(), [PeerOp(p, buf, tag=2) for p, buf in zip(peers, inbox)], "round 1")
+        got = []
+        for i in posted.received(Deadline.after(10)):
+            got.append((i, inbox[i].tolist()))
+        posted.wait(Deadline.after(10))
+        return events, got
+
+    for rank, (events, got) in enumerate(run_ranks(n, body)):
+        peers = [p for p in range(n) if p != rank]
+        assert events == [("recv", p) for p in peers] + [e for p in peers for e in (("packed", p), ("send", p))]
+        assert got == [(i, [float(10 * p + rank)] * 4) for i, p in enumerate(peers)]
+
+
 def test_a_missing_peer_fails_at_the_deadline_naming_it():
     transport = Transport(LocalGroup.world(3)[0])  # ranks 1 and 2 never show up
     posted = transport.post_round([PeerOp(2, torch.zeros(1024))], [PeerOp(1, torch.empty(256))], "switch round 3 of 7")
