@@ -147,18 +147,19 @@ class Transport:
         a generator: on gloo each send is posted as soon as it is produced, so the first ones travel
         while the next are still being packed."""
         sends = iter(sends)
-        first = [] if recvs else [op for op in [next(sends, None)] if op is not None]
-        probe = [*recvs, *first]
+        head = list(itertools.islice(sends, 0 if recvs else 1))  # a tensor to tell the device by
+        sends = itertools.chain(head, sends)
+        probe = recvs or head
         ops = [(False, op) for op in recvs]
         if probe and probe[0].tensor.is_cuda:  # NCCL: one batch, so the whole round first
             import torch.distributed as dist
 
-            ops += [(True, op) for op in itertools.chain(first, sends)]
+            ops += [(True, op) for op in sends]
             batch = [dist.P2POp(dist.isend if is_send else dist.irecv, op.tensor, group=self.group,
                                 tag=op.tag, group_peer=op.peer) for is_send, op in ops]  # fmt: skip
             return PostedRound(self, dist.batch_isend_irecv(batch), ops, what, batched=True)
         works = [self.recv(op.tensor, op.peer, op.tag) for _, op in ops]
-        for op in itertools.chain(first, sends):
+        for op in sends:
             works.append(self.send(op.tensor, op.peer, op.tag))
             ops.append((True, op))
         return PostedRound(self, works, ops, what)

@@ -211,11 +211,13 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         in_flight = sum(buf.numel() * buf.element_size() for buf, fresh in inbox if fresh)
         account.add(in_flight)
         posted = transport.post_round(
-            _sends(step, index, old, device, outbox, account),
+            _sends(step, index, old, device, outbox),
             [PeerOp(m.peer, buf, index) for m, (buf, _) in zip(step.recvs, inbox)],
             f"switch round {index + 1} of {len(program.rounds)}",
         )
-        in_flight += sum(buf.numel() * buf.element_size() for buf in outbox)
+        packed = sum(buf.numel() * buf.element_size() for buf in outbox)
+        account.add(packed)  # nothing is freed before the round's end: adding them now gives the same peak
+        in_flight += packed
         clock.lap("send")
         for c in step.copies:  # overlaps the messages in flight
             target = new_local[c.tensor][c.new]
@@ -337,15 +339,14 @@ def _outgoing(message: MessageEnd, source: _OldPieces, device: torch.device) -> 
     return buf, True
 
 
-def _sends(step: RoundWork, index: int, source: _OldPieces, device: torch.device, outbox: list[torch.Tensor],
-           account: _Account) -> Iterator[PeerOp]:
+def _sends(step: RoundWork, index: int, source: _OldPieces, device: torch.device,
+           outbox: list[torch.Tensor]) -> Iterator[PeerOp]:
     """The round's sends, each packed only when the transport asks for it (it posts the first
-    while the next is packed); new buffers go to `outbox` and into the account."""
+    while the next is packed); new buffers are kept in `outbox`."""
     for m in step.sends:
         buf, fresh = _outgoing(m, source, device)
         if fresh:
             outbox.append(buf)
-            account.add(buf.numel() * buf.element_size())
         yield PeerOp(m.peer, buf, index)
 
 
