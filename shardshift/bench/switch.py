@@ -81,6 +81,14 @@ and wrappers, which the model leaves out).
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
 can finish before its busiest receiver has taken its bytes in at the rate the links give when every
 pair is busy. Local copies (``bytes_kept``) are not counted in it. Every time is the slowest rank's.
+
+``move_cpu_seconds`` is the processor time every rank's process spent in the switch's rounds,
+summed over ranks, its transport's threads included (`SwitchReport.move_cpu_seconds`);
+``transfer_cpu_seconds`` what moving ``bytes_moved`` costs at the processor time per byte the link
+measurement of step 1 took (``link_cpu_seconds_per_byte``). Where the cores that copy also move
+the bytes (gloo on CPU), the difference is the packing, copying and driving the limit leaves out,
+and ``move_cpu_seconds`` ÷ ``move_seconds`` close to the machine's ``cores`` says that the move
+is bound by them, not by the links.
 """
 
 from __future__ import annotations
@@ -181,27 +189,39 @@ def _timed(fn, device: torch.device):
     return result, _max_over_ranks(time.perf_counter() - start, device)
 
 
-def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> float:
-    """Bytes per second one rank receives when every ordered pair exchanges `nbytes` at once."""
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """What the job's links give when every ordered pair of ranks exchanges at once (`link_rate`)."""
+
+    bytes_per_s: float  # that one rank receives, in the best run
+    cpu_seconds_per_byte: float  # processor time of all ranks' processes per byte moved, over the timed runs
+
+
+def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> Link:
+    """Every ordered pair exchanges `nbytes` at once, `reps` times after a warm-up: the bytes per
+    second one rank receives in the best run, and the processor time it cost per byte moved."""
     transport = Transport(dist.group.WORLD)
     rank, world = transport.rank, transport.size
     peers = [p for p in range(world) if p != rank]
     send = torch.full((nbytes,), rank, dtype=torch.uint8, device=device)
     inbox = {p: torch.empty(nbytes, dtype=torch.uint8, device=device) for p in peers}
-    best = float("inf")
+    best, cpu = float("inf"), 0.0
     for rep in range(reps + 1):  # the first is a warm-up
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         # One round, as a switch posts it: every receive, then every send, before any wait.
         tag = _P2P_TAG + rep
         transport.post_round([PeerOp(p, send, tag) for p in peers], [PeerOp(p, inbox[p], tag) for p in peers],
                              "measuring the link rate").wait(Deadline.after(timeout_s))
-        seconds = _max_over_ranks(time.perf_counter() - start, device)
+        mine, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+        seconds = _max_over_ranks(mine, device)
         if rep:
-            best = min(best, seconds)
+            best, cpu = min(best, seconds), cpu + cpu_s
     for p, buf in inbox.items():  # a rate measured on garbage would be no rate
         assert int(buf[0]) == p and int(buf[-1]) == p, f"rank {rank} received wrong bytes from {p}"
-    return (world - 1) * nbytes / best
+    total = torch.tensor([cpu], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return Link((world - 1) * nbytes / best, float(total) / (reps * world * (world - 1) * nbytes))
 
 
 def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> float:
@@ -420,7 +440,8 @@ def summarise(records: list[dict]) -> dict:
 def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> dict:
     """Steps 1 to 6 of the module's docstring for one transition; the record (complete on rank 0)."""
     before, rank, device = trainer.cfg.layout, trainer.rank, trainer.par.device
-    rate = link_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
+    link = link_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
+    rate = link.bytes_per_s
     partial, save_s = _timed(lambda: checkpoint.write(trainer, str(root / "ckpt")), device)
     path, seal_s = _timed(lambda: checkpoint.publish(trainer, partial), device)
     restart, restart_error = None, None
@@ -456,6 +477,9 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "switch_seconds": switch_s,
         "move_seconds": report.move_seconds,
         "move_phases": report.move_phases,  # where the rounds spent it, each phase's slowest rank
+        "move_cpu_seconds": report.move_cpu_seconds,  # processor time of every rank while moving, summed
+        # of which what moving `bytes_moved` through the links costs, at the link measurement's cost per byte
+        "transfer_cpu_seconds": report.bytes_moved * link.cpu_seconds_per_byte,
         "prepare_seconds": report.prepare_seconds,
         "dcp_seconds": save_s + load_s,
         "dcp_save_seconds": save_s,
@@ -469,6 +493,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "limit_seconds": report.max_bytes_received / rate,
         "predicted_seconds": predicted,
         "link_bytes_per_s": rate,
+        "link_cpu_seconds_per_byte": link.cpu_seconds_per_byte,
         "bytes_moved": report.bytes_moved,
         "bytes_kept": report.bytes_kept,
         "bytes_handed_over": report.bytes_handed_over,
@@ -558,7 +583,7 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         r["spread"] = spread(r)
     result = {
         "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
-        "device": device_type, "dtype": cfg.dtype, "global_batch": cfg.global_batch, "repeats": opts.repeat,
+        "device": device_type, "cores": _cores(), "dtype": cfg.dtype, "global_batch": cfg.global_batch, "repeats": opts.repeat,
         "budget": records[0]["budget"], "transitions": records, "geomean": means,
     }  # fmt: skip
     if opts.json:
@@ -585,6 +610,12 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
           f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8}{'':>8} |")
     print(f"sealing the saves into checkpoints (manifest CRC-32s, rename; not in 'dcp'): "
           f"{sum(r['seal_seconds'] for r in records):.2f} s in all")
+    print(f"processor time while moving, all ranks' processes (transport threads included) on {_cores()} cores:")
+    for r in records:
+        busy = _ratio(r["move_cpu_seconds"], r["move_seconds"])
+        print(f"  {r['from'] + ' -> ' + r['to']:<26} {r['move_cpu_seconds']:.2f} core-s in {r['move_seconds']:.2f} s "
+              f"({_fmt(busy, '.1f')} cores busy); the links' cost of the bytes moved: {r['transfer_cpu_seconds']:.2f} "
+              f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB)")
     if opts.predict:
         print("predicted on an alpha-beta model of this machine (link rate, per-message cost, copy rate):")
         for r in records:

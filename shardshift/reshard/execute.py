@@ -174,6 +174,7 @@ class ExecStats:
     new_bytes: int  # state it holds after
     peak_bytes: int  # most state + buffers held at once during the switch (the executor's account)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each of `PHASES`
+    cpu_seconds: float = 0.0  # processor time of this process while it ran, its threads' (gloo's transfers) included
 
 
 class _Account:
@@ -193,7 +194,7 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
                 device: torch.device) -> ExecStats:
     """Run this process's part of a switch (a collective: every process of the plan runs its own,
     on the same group), every transfer done by `deadline`."""
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     account = _Account(program.old_bytes)
     new_local: dict[int, torch.Tensor] = {}
     old = _OldPieces(source)
@@ -258,6 +259,7 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         new_bytes=program.new_bytes,
         peak_bytes=account.peak,
         phases=clock.seconds,
+        cpu_seconds=time.process_time() - start_cpu,
     )
 
 

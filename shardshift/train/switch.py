@@ -79,6 +79,9 @@ class SwitchReport:
     # Of `move_seconds`, the seconds in each phase of the rounds (`reshard.execute.PHASES`), each the
     # slowest rank's in that phase (so they need not add up to `move_seconds`).
     move_phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The processor seconds every rank's process spent running the schedule, summed over ranks (the
+    # threads of its transport included): ÷ `move_seconds`, how many cores the move kept busy.
+    move_cpu_seconds: float = 0.0
 
     def event(self) -> dict:
         return {
@@ -102,6 +105,7 @@ class SwitchReport:
             "extra_mem_bytes": self.extra_mem_bytes,
             "device_peak_bytes": self.device_peak_bytes,
             "move_phases": self.move_phases,
+            "move_cpu_seconds": self.move_cpu_seconds,
         }
 
 
@@ -330,8 +334,9 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
     options.reduceOp = dist.ReduceOp.MAX
     group.allreduce([worst], options).wait()  # any group with torch's methods, as the transport takes
     worst = worst.tolist()
-    handed = torch.tensor([stats.bytes_handed_over], dtype=torch.int64, device=device)
-    group.allreduce([handed]).wait()  # summed
+    summed = torch.tensor([stats.bytes_handed_over, int(stats.cpu_seconds * 1e9)], dtype=torch.int64, device=device)
+    group.allreduce([summed]).wait()
+    handed, cpu_ns = summed.tolist()
     return SwitchReport(
         step=step,
         old=str(plan.old),
@@ -342,7 +347,7 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
         prepared_ahead=ahead,
         bytes_moved=plan.bytes_moved,
         bytes_kept=plan.bytes_kept,
-        bytes_handed_over=int(handed),
+        bytes_handed_over=handed,
         bytes_lower_bound=plan.bytes_lower_bound,
         bytes_total=plan.bytes_total,
         max_bytes_received=worst[2],
@@ -352,4 +357,5 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
         extra_mem_bytes=worst[1],
         device_peak_bytes=worst[3] if on_cuda else None,
         move_phases={name: ns / 1e9 for name, ns in zip(PHASES, worst[7:])},
+        move_cpu_seconds=cpu_ns / 1e9,
     )

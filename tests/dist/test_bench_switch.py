@@ -60,9 +60,11 @@ def test_small_chain_reports_every_column(budget):
         assert r["spread"] >= 0
         assert r["budget"] == 16 << 10 and r["rounds"] >= 1
         assert r["peak_mem_bytes"] > 0 and 0 <= r["extra_mem_bytes"] < r["peak_mem_bytes"]
+        assert r["move_cpu_seconds"] > 0 and r["link_cpu_seconds_per_byte"] > 0  # the ranks' processor time
         assert math.isfinite(r["loss_after"])
     # Not vacuous: replicas to shards keeps every byte local, shards to tp must move some.
     assert rows[0]["bytes_moved"] == 0 and rows[1]["bytes_moved"] > 0 and rows[1]["rounds"] > 1
+    assert rows[0]["transfer_cpu_seconds"] == 0 < rows[1]["transfer_cpu_seconds"]  # what the links cost the cores
     assert rows[1]["switch_over_limit"] > 0 and out["geomean"]["restart_over_switch"] > 0
     # --predict: each switch's schedule timed on the machine's measured alpha-beta model, beside it.
     for r in rows:

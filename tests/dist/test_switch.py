@@ -74,6 +74,9 @@ def test_switch_is_bit_identical_to_dcp_save_and_load(tmp_path, budget):
             assert result["moments"] > 0, "the comparison must include AdamW state"
             assert result["losses"][0] == result["losses"][1], (pair, rank, result["losses"])
         report = per_rank[0][pair]["report"]
+        # Processor time summed over the ranks: one figure, the same on every rank.
+        assert report.move_cpu_seconds > 0
+        assert {r[pair]["report"].move_cpu_seconds for r in per_rank} == {report.move_cpu_seconds}
         assert report.bytes_moved == report.bytes_lower_bound
         assert report.bytes_moved + report.bytes_kept == report.bytes_total
         assert report.rounds > 1  # the 16 KiB budget cuts every switch into rounds

@@ -97,6 +97,7 @@ def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
         # The profile: every phase of the rounds booked, together no more than the whole.
         assert tuple(stats.phases) == PHASES and min(stats.phases.values()) >= 0
         assert sum(stats.phases.values()) <= stats.seconds
+        assert stats.cpu_seconds > 0  # the process's processor time while it ran (its threads')
 
 
 @pytest.mark.parametrize("owned", [True, False], ids=["own-storage", "views-of-one-buffer"])
