@@ -68,9 +68,11 @@ own schedule is timed:
   machine is not shared; the link rate of step 1 times the ranks is what the machine moves at
   most (the host's bandwidth);
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
-- the rates of a local copy into memory touched before, from a contiguous and from a strided
-  slice, by one rank while the others wait (a core to itself); on CPU the ranks' copies and
-  gloo's transfers take turns on the machine's cores (`Cluster.host_cores`).
+- the rates of a local copy into a tensor allocated just before (as the executor allocates the
+  new pieces and message buffers: on CPU, fresh pages the kernel faults in and zeroes), from a
+  contiguous and from a strided slice, by one rank while the others wait (a core to itself); on
+  CPU the ranks' copies and gloo's transfers take turns on the machine's cores
+  (`Cluster.host_cores`).
 
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
@@ -269,22 +271,26 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
 
 
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
-    """Bytes per second of a local copy of `nbytes` into memory touched before, as a switch copies
-    into new pieces its allocator mostly takes from memory freed by the steps before (best of
-    three, after a warm-up that touches the destination). `strided`: out of every other 1 KiB run
-    of a twice larger matrix, as a column slice of a tensor-parallel weight is cut."""
+    """Bytes per second of a local copy of `nbytes` into a tensor allocated just before, as the
+    executor allocates each new piece and message buffer right before it fills it (best of three,
+    after a warm-up). On CPU the allocator hands a large allocation fresh pages, which the kernel
+    faults in and zeroes during the copy (on this kind of machine a copy so runs at about a fifth
+    of its rate into memory touched before); CUDA's caching allocator reuses what it freed.
+    `strided`: out of every other 1 KiB run of a twice larger matrix, as a column slice of a
+    tensor-parallel weight is cut."""
     rows = max(1, nbytes // 1024)
     src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
         torch.ones((rows, 1024), dtype=torch.uint8, device=device)
-    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
     best = float("inf")
     for rep in range(4):
         start = time.perf_counter()
+        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
         dst.copy_(src)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if rep:
             best = min(best, time.perf_counter() - start)
+        del dst
     return src.numel() / best
 
 
