@@ -77,7 +77,8 @@ own schedule is timed:
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
-and wrappers, which the model leaves out).
+and wrappers, which the model leaves out). The record keeps what the model was given: the
+per-message cost, the lone pair's rate and the two copy rates (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -192,14 +193,14 @@ def _timed(fn, device: torch.device):
 
 
 @dataclasses.dataclass(frozen=True)
-class Link:
+class LinkRate:
     """What the job's links give when every ordered pair of ranks exchanges at once (`link_rate`)."""
 
     bytes_per_s: float  # that one rank receives, in the best run
     cpu_seconds_per_byte: float  # processor time of all ranks' processes per byte moved, over the timed runs
 
 
-def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> Link:
+def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> LinkRate:
     """Every ordered pair exchanges `nbytes` at once, `reps` times after a warm-up: the bytes per
     second one rank receives in the best run, and the processor time it cost per byte moved."""
     transport = Transport(dist.group.WORLD)
@@ -223,7 +224,7 @@ def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
         assert int(buf[0]) == p and int(buf[-1]) == p, f"rank {rank} received wrong bytes from {p}"
     total = torch.tensor([cpu], dtype=torch.float64, device=device)
     dist.all_reduce(total)
-    return Link((world - 1) * nbytes / best, float(total) / (reps * world * (world - 1) * nbytes))
+    return LinkRate((world - 1) * nbytes / best, float(total) / (reps * world * (world - 1) * nbytes))
 
 
 def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> float:
@@ -310,8 +311,9 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.device) -> float:
-    """The switch's schedule timed on an α–β model of this machine, measured now (module docstring)."""
+def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.device) -> dict:
+    """The switch's schedule timed on an α–β model of this machine, measured now (module
+    docstring): ``predicted_seconds`` and the model's measured inputs (``model_*``)."""
     from shardshift.simulate.cluster import Cluster, predict
 
     alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
@@ -323,7 +325,9 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
                       strided_copy_bandwidth=strided, host_cores=cores, name="this machine")
-    return predict(schedule, machine).seconds
+    return {"predicted_seconds": predict(schedule, machine).seconds, "model_message_seconds": alpha,
+            "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
+            "model_strided_copy_bytes_per_s": strided}
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:
@@ -467,7 +471,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         shutil.rmtree(path)
     steps_taken = trainer.progress.step
     prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
-    predicted = _predicted(prepared.schedule, rate, opts, device) if opts.predict else None
+    model = _predicted(prepared.schedule, rate, opts, device) if opts.predict else {"predicted_seconds": None}
     dist.barrier()
     report = trainer.switch(prepared)
     switch_s = _max_over_ranks(report.seconds, device)
@@ -497,7 +501,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "restart_job_seconds": None if restart is None else restart.job_seconds,
         "restart_error": restart_error,  # why the fresh job failed (rank 0), or None
         "limit_seconds": report.max_bytes_received / rate,
-        "predicted_seconds": predicted,
+        **model,  # predicted_seconds, and with --predict what the model was given
         "link_bytes_per_s": rate,
         "link_cpu_seconds_per_byte": link.cpu_seconds_per_byte,
         "bytes_moved": report.bytes_moved,
@@ -627,7 +631,8 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         for r in records:
             print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s; moving took "
                   f"{r['move_seconds']:.3f} s (x{r['predicted_over_move']:.2f}), the switch {r['switch_seconds']:.3f} s "
-                  f"(x{r['predicted_over_switch']:.2f})")
+                  f"(x{r['predicted_over_switch']:.2f}); copies at {r['model_copy_bytes_per_s'] / 1e9:.1f} GB/s, "
+                  f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided")
         within = sum(1 for r in records if 0.7 <= r["predicted_over_move"] <= 1.3)
         print(f"  within 30% of the moving: {within} of {len(records)}; geometric mean x{means['predicted_over_move']:.2f} "
               f"of the moving, x{means['predicted_over_switch']:.2f} of the switch")
