@@ -69,7 +69,7 @@ own schedule is timed:
   most (the host's bandwidth);
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
 - the rates of a local copy into a tensor allocated just before (as the executor allocates the
-  new pieces and message buffers: on CPU, fresh pages the kernel faults in and zeroes), from a
+  new pieces and message buffers: on CPU, fresh pages or reused ones, as the allocator gives), from a
   contiguous and from a strided slice, by one rank while the others wait (a core to itself); on
   CPU the ranks' copies and gloo's transfers take turns on the machine's cores
   (`Cluster.host_cores`).
@@ -274,9 +274,11 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
     """Bytes per second of a local copy of `nbytes` into a tensor allocated just before, as the
     executor allocates each new piece and message buffer right before it fills it (best of three,
-    after a warm-up). On CPU the allocator hands a large allocation fresh pages, which the kernel
-    faults in and zeroes during the copy (on this kind of machine a copy so runs at about a fifth
-    of its rate into memory touched before); CUDA's caching allocator reuses what it freed.
+    after a warm-up). On CPU a large allocation gets either fresh pages, which the kernel faults in
+    and zeroes during the copy (on this kind of machine a copy then runs at about a fifth of its
+    rate into memory touched before), or memory the allocator reuses: the measurement takes what
+    the allocator gives at that moment, as the switch's pieces will. CUDA's caching allocator
+    reuses what it freed.
     `strided`: out of every other 1 KiB run of a twice larger matrix, as a column slice of a
     tensor-parallel weight is cut."""
     rows = max(1, nbytes // 1024)
