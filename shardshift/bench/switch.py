@@ -622,7 +622,7 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
           f"{_fmt(means['restart_over_switch'], '.2f'):>8}{_fmt(means['switch_over_limit'], '.2f'):>8}{'':>8} |")
     print(f"sealing the saves into checkpoints (manifest CRC-32s, rename; not in 'dcp'): "
           f"{sum(r['seal_seconds'] for r in records):.2f} s in all")
-    print(f"processor time while moving, all ranks' processes (transport threads included) on {_cores()} cores:")
+    print(f"processor time while moving, all ranks' processes (transport threads included) on {result['cores']} cores:")
     for r in records:
         busy = _ratio(r["move_cpu_seconds"], r["move_seconds"])
         print(f"  {r['from'] + ' -> ' + r['to']:<26} {r['move_cpu_seconds']:.2f} core-s in {r['move_seconds']:.2f} s "
