@@ -331,6 +331,22 @@ def test_switch_bench_bars_per_transition_on_a_log_scale(tmp_path):
     assert [s.y for s in drawn.series] == [(0.2, 0.4), (2.0, 3.0), (12.0, None), (0.01, 0.02)]
 
 
+def test_switch_bench_table_says_how_many_cores_the_move_kept_busy(capsys):
+    from shardshift.bench.switch import SwitchBenchOptions, report, summarise
+
+    records = [summarise([t, t]) for t in switch_result()["transitions"]]
+    cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
+    opts = SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4, budget=1 << 28,
+                              p2p_bytes=1 << 20)
+    result = report(opts, records, "cpu")
+    out = capsys.readouterr().out
+    assert f"on {result['cores']} cores:" in out
+    # The fixture's moves took switch / 2 seconds and switch core-seconds: 2 cores busy.
+    line = next(line for line in out.splitlines() if line.startswith("  dp=4 -> fsdp=4 ") and "core-s" in line)
+    assert "0.20 core-s in 0.10 s (2.0 cores busy)" in line
+    assert line.endswith("the links' cost of the bytes moved: 0.01 core-s (1.00 per GB)")
+
+
 def test_switch_bench_draws_the_object_its_report_prints(tmp_path, capsys):
     from shardshift.bench.switch import SwitchBenchOptions, report, summarise
 
