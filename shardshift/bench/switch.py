@@ -72,13 +72,16 @@ own schedule is timed:
   new pieces and message buffers: on CPU, fresh pages or reused ones, as the allocator gives), from a
   contiguous and from a strided slice, by one rank while the others wait (a core to itself); on
   CPU the ranks' copies and gloo's transfers take turns on the machine's cores
-  (`Cluster.host_cores`).
+  (`Cluster.host_cores`);
+- the host time of one piece end beside its bytes (`piece_cost`: a slice of a small piece copied
+  into a slice of another, as the executor does for each part it packs, unpacks or copies), by
+  the same rank alone.
 
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
 and wrappers, which the model leaves out). The record keeps what the model was given: the
-per-message cost, the lone pair's rate and the two copy rates (``model_*``).
+per-message cost, the lone pair's rate, the two copy rates and the piece cost (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -297,15 +300,34 @@ def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float
     return src.numel() / best
 
 
-def _lone_copy_rates(nbytes: int, device: torch.device) -> tuple[float, float]:
-    """Rank 0's contiguous and strided `copy_rate`, measured while the other ranks wait: the rate
-    of one copy with a core to itself; every rank gets it."""
-    rates = torch.zeros(2, dtype=torch.float64, device=device)
+def piece_cost(device: torch.device, pieces: int = 2000) -> float:
+    """Seconds of host time one piece end costs, beside its bytes: cutting a slice of a small piece
+    and of its target out of a table of tensors and copying one into the other, as the executor
+    does for every part it packs, unpacks or copies (best of three, after a warm-up)."""
+    pieces_of = {i: torch.zeros((8, 64), device=device) for i in range(64)}
+    where = (slice(2, 6), slice(0, 64))
+    best = float("inf")
+    for rep in range(4):
+        start = time.perf_counter()
+        for i in range(pieces):
+            pieces_of[i % 64][where].copy_(pieces_of[(i + 1) % 64][where])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep:
+            best = min(best, time.perf_counter() - start)
+    return best / pieces
+
+
+def _lone_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
+    """Rank 0's contiguous and strided `copy_rate` and its `piece_cost`, measured while the other
+    ranks wait: with a core to itself; every rank gets them."""
+    rates = torch.zeros(3, dtype=torch.float64, device=device)
     dist.barrier()
     if dist.get_rank() == 0:
         rates[0], rates[1] = copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True)
+        rates[2] = piece_cost(device)
     dist.broadcast(rates, 0)
-    return float(rates[0]), float(rates[1])
+    return float(rates[0]), float(rates[1]), float(rates[2])
 
 
 def _cores() -> int:
@@ -320,16 +342,16 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
 
     alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided = _lone_copy_rates(opts.p2p_bytes, device)
+    copies, strided, piece = _lone_rates(opts.p2p_bytes, device)
     world = dist.get_world_size()
     # On CUDA each GPU copies on its own; on CPU the ranks' copies and gloo's transfers share the cores.
     cores = 0 if device.type == "cuda" else _cores()
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
-                      strided_copy_bandwidth=strided, host_cores=cores, name="this machine")
+                      strided_copy_bandwidth=strided, host_cores=cores, piece_seconds=piece, name="this machine")
     return {"predicted_seconds": predict(schedule, machine).seconds, "model_message_seconds": alpha,
             "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
-            "model_strided_copy_bytes_per_s": strided}
+            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece}
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:
@@ -629,12 +651,12 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
               f"({_fmt(busy, '.1f')} cores busy); the links' cost of the bytes moved: {r['transfer_cpu_seconds']:.2f} "
               f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB)")
     if opts.predict:
-        print("predicted on an alpha-beta model of this machine (link rate, per-message cost, copy rate):")
+        print("predicted on an alpha-beta model of this machine (link rate, per-message cost, copy rates, per-piece cost):")
         for r in records:
             print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s; moving took "
                   f"{r['move_seconds']:.3f} s (x{r['predicted_over_move']:.2f}), the switch {r['switch_seconds']:.3f} s "
                   f"(x{r['predicted_over_switch']:.2f}); copies at {r['model_copy_bytes_per_s'] / 1e9:.1f} GB/s, "
-                  f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided")
+                  f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided, {1e6 * r['model_piece_seconds']:.1f} us a piece")
         within = sum(1 for r in records if 0.7 <= r["predicted_over_move"] <= 1.3)
         print(f"  within 30% of the moving: {within} of {len(records)}; geometric mean x{means['predicted_over_move']:.2f} "
               f"of the moving, x{means['predicted_over_switch']:.2f} of the switch")

@@ -11,11 +11,13 @@ non-blocking (a rail-optimised or full fat tree). Ranks are numbered host by hos
 
 A round of the schedule (`reshard.schedule`) takes, on this model, the longest of every GPU's
 and NIC's busy time, and of every host's switch: bytes ÷ bandwidth, in and out separately, and
-the bytes moved inside the host ÷ `host_bandwidth`; plus one latency per message a GPU
-sends or receives, plus its copies at `copy_bandwidth` (HBM class by default), or `strided_copy_bandwidth` where
-a slice is not contiguous. On a host whose processors both copy and move the bytes (`host_cores`:
-a CPU host, where gloo moves bytes with the cores that copy), the host's time is its bytes moved ÷
-`host_bandwidth` plus the seconds of every copy its GPUs make ÷ its cores. The copies are the
+the bytes moved inside the host ÷ `host_bandwidth`; plus one latency per message a GPU sends or
+receives, plus its copies at `copy_bandwidth` (HBM class by default), or
+`strided_copy_bandwidth` where a slice is not contiguous, plus `piece_seconds` for each piece it
+cuts out or fills (the host's work of driving a copy or a message part: its views and the copy's
+dispatch; 0 by default). On a host whose processors both copy and move the bytes (`host_cores`:
+a CPU host, where gloo moves bytes with the cores that copy), the host's time is its bytes moved
+÷ `host_bandwidth` plus the seconds of every copy its GPUs make ÷ its cores. The copies are the
 executor's (`reshard.execute`): every local piece once, but none for a whole piece kept (new box =
 old box: its memory is handed over); a moved piece once at the sender unless it travels alone from a contiguous slice of the old
 piece, and once at the receiver unless it travels alone into a contiguous slice of the new piece
@@ -34,7 +36,7 @@ import numpy as np
 from shardshift.units import parse_duration, parse_rate
 
 _RATES = ("intra_bandwidth", "host_bandwidth", "nic_bandwidth", "copy_bandwidth", "strided_copy_bandwidth")
-_TIMES = ("intra_latency", "latency")
+_TIMES = ("intra_latency", "latency", "piece_seconds")
 _TOPOLOGY_ONLY = ("hosts_per_leaf", "spines", "rails")  # shape the fabric, which the model takes as non-blocking
 
 
@@ -51,6 +53,7 @@ class Cluster:
     copy_bandwidth: float = 1e12  # bytes/s of a local copy of contiguous memory (HBM class)
     strided_copy_bandwidth: float = 0.0  # bytes/s of a copy to or from a non-contiguous slice (0: copy_bandwidth)
     host_cores: int = 0  # processors that make a host's copies and move its bytes too (a CPU host); 0: GPUs copy apart
+    piece_seconds: float = 0.0  # host time each end of a piece costs a process (its views, the copy's dispatch), beside the bytes
     name: str = "cluster"
 
     def __post_init__(self) -> None:
@@ -143,6 +146,7 @@ def predict(schedule, cluster: Cluster) -> Prediction:
         for piece in pieces:  # a flow's pieces in one round travel between the same processes: summed first
             nbytes = piece.box.numel * plan.tensors[piece.tensor].itemsize
             entry = by_flow.setdefault(id(piece.flow), _FlowRound(piece.flow))
+            entry.pieces += 1
             direct = nbytes >= schedule.direct_bytes
             entry.nbytes += nbytes
             entry.direct += direct
@@ -197,6 +201,7 @@ class _FlowRound:
     recv_copy_seconds: float = 0.0
     local_copy_seconds: float = 0.0  # for a destination that holds the piece itself
     handed: int = 0  # bytes of it that such a destination keeps whole (handed over, not copied)
+    pieces: int = 0  # each costs `Cluster.piece_seconds` at either end (once where the destination holds it)
 
 
 class _Tally:
@@ -214,10 +219,11 @@ class _Tally:
         flow, nbytes, direct = entry.flow, entry.nbytes, entry.direct
         local = flow.src == flow.dst
         np.add.at(self.copied, flow.dst[local], nbytes - entry.handed)
-        np.add.at(self.copying, flow.dst[local], entry.local_copy_seconds)
+        handling = entry.pieces * cluster.piece_seconds
+        np.add.at(self.copying, flow.dst[local], entry.local_copy_seconds + handling)
         src, dst = flow.src[~local], flow.dst[~local]
-        np.add.at(self.copying, src, entry.send_copy_seconds)
-        np.add.at(self.copying, dst, entry.recv_copy_seconds)
+        np.add.at(self.copying, src, entry.send_copy_seconds + handling)
+        np.add.at(self.copying, dst, entry.recv_copy_seconds + handling)
         same = cluster.host(src) == cluster.host(dst)
         np.add.at(self.intra_in, dst[same], nbytes)
         np.add.at(self.intra_out, src[same], nbytes)

@@ -123,6 +123,30 @@ def test_copies_take_turns_on_a_cpu_host_s_cores_and_a_whole_piece_kept_costs_no
         Cluster(host_cores=-1)
 
 
+def test_each_end_of_a_piece_costs_the_host_its_handling():
+    # With copies and links free, a switch costs only its pieces' handling: dp=4 -> fsdp=4 copies
+    # one piece of each tensor a rank; fsdp=4 -> dp=4 has each rank cut its quarter of a sharded
+    # tensor out for three peers and fill three quarters from them beside its own.
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18)
+    handled = dataclasses.replace(free, piece_seconds=1e-3)
+    unhandled, local = (simulate_switch(space, Layout(dp=4), Layout(fsdp=4), c, budget=1 << 40).prediction.seconds
+                        for c in (free, handled))
+    assert unhandled < 1e-9 and local == pytest.approx(1e-3 * len(space.tensors), rel=0.01)
+    spread = simulate_switch(space, Layout(fsdp=4), Layout(dp=4), handled, budget=1 << 40)
+    (pieces,) = spread.schedule.pieces
+    ends = np.zeros(4)
+    for piece in pieces:
+        src, dst = piece.flow.src, piece.flow.dst
+        np.add.at(ends, src[src != dst], 1)  # cut out for a peer
+        np.add.at(ends, dst, 1)  # filled, from a peer or from its own old piece
+    assert ends.max() > 5 * len(space.tensors)  # 7 ends for each sharded tensor, 1 for a replicated one
+    assert spread.prediction.seconds == pytest.approx(1e-3 * ends.max(), rel=0.01)
+    with pytest.raises(ValueError, match="piece_seconds"):
+        Cluster(piece_seconds=-1.0)
+
+
 def test_the_shipped_cluster_file_reads_as_the_topology_preset():
     cluster = load_cluster(ROOT / "docs/topologies/cluster-dynatrain.yaml")
     assert (cluster.ranks, cluster.nics_per_host, cluster.nic_bandwidth) == (512, 8, 50e9)
