@@ -287,17 +287,7 @@ def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float
     rows = max(1, nbytes // 1024)
     src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
         torch.ones((rows, 1024), dtype=torch.uint8, device=device)
-    best = float("inf")
-    for rep in range(4):
-        start = time.perf_counter()
-        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if rep:
-            best = min(best, time.perf_counter() - start)
-        del dst
-    return src.numel() / best
+    return src.numel() / _fastest(lambda: torch.empty(src.shape, dtype=src.dtype, device=device).copy_(src), device)
 
 
 def piece_cost(device: torch.device, pieces: int = 2000) -> float:
@@ -306,16 +296,27 @@ def piece_cost(device: torch.device, pieces: int = 2000) -> float:
     does for every part it packs, unpacks or copies (best of three, after a warm-up)."""
     pieces_of = {i: torch.zeros((8, 64), device=device) for i in range(64)}
     where = (slice(2, 6), slice(0, 64))
+
+    def run() -> None:
+        for i in range(pieces):
+            pieces_of[i % 64][where].copy_(pieces_of[(i + 1) % 64][where])
+
+    return _fastest(run, device) / pieces
+
+
+def _fastest(run, device: torch.device) -> float:
+    """Seconds of the fastest of three timed calls of `run` after an untimed one (on CUDA until
+    the device is done); what a call returns is dropped after its clock stops."""
     best = float("inf")
     for rep in range(4):
         start = time.perf_counter()
-        for i in range(pieces):
-            pieces_of[i % 64][where].copy_(pieces_of[(i + 1) % 64][where])
+        result = run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if rep:
             best = min(best, time.perf_counter() - start)
-    return best / pieces
+        del result
+    return best
 
 
 def _lone_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
