@@ -652,12 +652,14 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
               f"({_fmt(busy, '.1f')} cores busy); the links' cost of the bytes moved: {r['transfer_cpu_seconds']:.2f} "
               f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB)")
     if opts.predict:
-        print("predicted on an alpha-beta model of this machine (link rate, per-message cost, copy rates, per-piece cost):")
+        print("predicted on an alpha-beta model of this machine "
+              "(link rate, per-message cost, copy rates, per-piece cost):")
         for r in records:
             print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s; moving took "
                   f"{r['move_seconds']:.3f} s (x{r['predicted_over_move']:.2f}), the switch {r['switch_seconds']:.3f} s "
                   f"(x{r['predicted_over_switch']:.2f}); copies at {r['model_copy_bytes_per_s'] / 1e9:.1f} GB/s, "
-                  f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided, {1e6 * r['model_piece_seconds']:.1f} us a piece")
+                  f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided, "
+                  f"{1e6 * r['model_piece_seconds']:.1f} us a piece")
         within = sum(1 for r in records if 0.7 <= r["predicted_over_move"] <= 1.3)
         print(f"  within 30% of the moving: {within} of {len(records)}; geometric mean x{means['predicted_over_move']:.2f} "
               f"of the moving, x{means['predicted_over_switch']:.2f} of the switch")

@@ -53,7 +53,7 @@ class Cluster:
     copy_bandwidth: float = 1e12  # bytes/s of a local copy of contiguous memory (HBM class)
     strided_copy_bandwidth: float = 0.0  # bytes/s of a copy to or from a non-contiguous slice (0: copy_bandwidth)
     host_cores: int = 0  # processors that make a host's copies and move its bytes too (a CPU host); 0: GPUs copy apart
-    piece_seconds: float = 0.0  # host time each end of a piece costs a process (its views, the copy's dispatch), beside the bytes
+    piece_seconds: float = 0.0  # host time each end of a piece costs (its views, the copy's dispatch), beside its bytes
     name: str = "cluster"
 
     def __post_init__(self) -> None:
