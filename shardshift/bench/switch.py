@@ -114,6 +114,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -124,6 +125,7 @@ from shardshift.console import say
 from shardshift.launch import STORE_ENV
 from shardshift.layout import Layout
 from shardshift.plots.canvas import check_drawable
+from shardshift.reshard.execute import Copy, RoundWork, SwitchProgram, run_program
 from shardshift.reshard.plan import plan_transition
 from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
@@ -276,12 +278,12 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
 
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
     """Bytes per second of a local copy of `nbytes` into a tensor allocated just before, as the
-    executor allocates each new piece and message buffer right before it fills it (best of three,
-    after a warm-up). On CPU a large allocation gets either fresh pages, which the kernel faults in
-    and zeroes during the copy (on this kind of machine a copy then runs at about a fifth of its
-    rate into memory touched before), or memory the allocator reuses: the measurement takes what
-    the allocator gives at that moment, as the switch's pieces will. CUDA's caching allocator
-    reuses what it freed.
+    executor allocates each new piece and message buffer right before it fills it (`_fastest`: on
+    CPU per second of this thread's processor time). On CPU a large allocation gets either fresh
+    pages, which the kernel faults in and zeroes during the copy (on this kind of machine a copy
+    then runs at about a fifth of its rate into memory touched before), or memory the allocator
+    reuses: the measurement takes what the allocator gives at that moment, as the switch's pieces
+    will. CUDA's caching allocator reuses what it freed.
     `strided`: out of every other 1 KiB run of a twice larger matrix, as a column slice of a
     tensor-parallel weight is cut."""
     rows = max(1, nbytes // 1024)
@@ -291,43 +293,64 @@ def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float
 
 
 def piece_cost(device: torch.device, pieces: int = 2000) -> float:
-    """Seconds of host time one piece end costs, beside its bytes: cutting a slice of a small piece
-    and of its target out of a table of tensors and copying one into the other, as the executor
-    does for every part it packs, unpacks or copies (best of three, after a warm-up)."""
-    pieces_of = {i: torch.zeros((8, 64), device=device) for i in range(64)}
-    where = (slice(2, 6), slice(0, 64))
+    """Seconds one piece end costs beside its bytes (`_fastest`: on CPU this thread's processor
+    time), measured through the executor itself: `run_program` making `pieces` local copies of
+    a small slice each, every one into a piece of its own, with no message. That is the work the
+    executor does for every part it packs, unpacks or copies: looking up the two pieces, cutting
+    the slices, dispatching the copy, keeping its account."""
+    shape, where = (8, 64), (slice(2, 6), slice(0, 64))
+    old = {t: torch.ones(shape, device=device) for t in range(pieces)}
+    new = {t: torch.empty(shape, device=device) for t in range(pieces)}
+    nbytes = new[0].numel() * new[0].element_size()
+    program = SwitchProgram(
+        rank=0,
+        rounds=(RoundWork(opens=tuple((t, nbytes, shape) for t in range(pieces)), sends=(), recvs=(),
+                          copies=tuple(Copy(t, where, where) for t in range(pieces)), closes=()),),
+        idle_opens=(), idle_closes=(), old_bytes=pieces * nbytes, new_bytes=pieces * nbytes)
+    source = SimpleNamespace(local=lambda t, copy_of=None: old[t], release=lambda t: None)
+    sink = SimpleNamespace(open=new.__getitem__)
+    transport = SimpleNamespace(post_round=lambda sends, recvs, what: _NoMessages())
+    return _fastest(lambda: run_program(program, source, sink, transport, Deadline.after(60), device), device) / pieces
 
-    def run() -> None:
-        for i in range(pieces):
-            pieces_of[i % 64][where].copy_(pieces_of[(i + 1) % 64][where])
 
-    return _fastest(run, device) / pieces
+class _NoMessages:
+    """A posted round with no message (`piece_cost`'s program sends nothing)."""
+
+    def received(self, deadline: Deadline):
+        return iter(())
+
+    def wait(self, deadline: Deadline) -> None:
+        pass
 
 
 def _fastest(run, device: torch.device) -> float:
-    """Seconds of the fastest of three timed calls of `run` after an untimed one (on CUDA until
-    the device is done); what a call returns is dropped after its clock stops."""
+    """Seconds of the fastest of three timed calls of `run` after an untimed one: on CUDA the
+    time until the device is done; on CPU the processor time of this thread, so that ranks
+    measuring at once on fewer cores than ranks are not charged for the time they wait for one
+    (the switch's model gives each rank's work to the host's cores). What a call returns is
+    dropped after its clock stops."""
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     best = float("inf")
     for rep in range(4):
-        start = time.perf_counter()
+        start = clock()
         result = run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if rep:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock() - start)
         del result
     return best
 
 
-def _lone_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
-    """Rank 0's contiguous and strided `copy_rate` and its `piece_cost`, measured while the other
-    ranks wait: with a core to itself; every rank gets them."""
-    rates = torch.zeros(3, dtype=torch.float64, device=device)
+def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
+    """The contiguous and strided `copy_rate` and the `piece_cost`, measured by every rank at once
+    (after a barrier), as the switch's ranks copy at once, sharing the memory, its caches and on
+    CPU the cores: the mean over the ranks, the same on every rank."""
     dist.barrier()
-    if dist.get_rank() == 0:
-        rates[0], rates[1] = copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True)
-        rates[2] = piece_cost(device)
-    dist.broadcast(rates, 0)
+    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device)],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(rates)
+    rates /= dist.get_world_size()
     return float(rates[0]), float(rates[1]), float(rates[2])
 
 
@@ -343,7 +366,7 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
 
     alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided, piece = _lone_rates(opts.p2p_bytes, device)
+    copies, strided, piece = _copy_rates(opts.p2p_bytes, device)
     world = dist.get_world_size()
     # On CUDA each GPU copies on its own; on CPU the ranks' copies and gloo's transfers share the cores.
     cores = 0 if device.type == "cuda" else _cores()
@@ -513,6 +536,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         "move_seconds": report.move_seconds,
         "move_phases": report.move_phases,  # where the rounds spent it, each phase's slowest rank
         "move_cpu_seconds": report.move_cpu_seconds,  # processor time of every rank while moving, summed
+        "move_page_faults": report.move_page_faults,  # pages of fresh memory every rank touched while moving, summed
         # of which what moving `bytes_moved` through the links costs, at the link measurement's cost per byte
         "transfer_cpu_seconds": report.bytes_moved * link.cpu_seconds_per_byte,
         "prepare_seconds": report.prepare_seconds,

@@ -39,6 +39,7 @@ CUDA the caching allocator's own peak is reported alongside).
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -175,6 +176,7 @@ class ExecStats:
     peak_bytes: int  # most state + buffers held at once during the switch (the executor's account)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each of `PHASES`
     cpu_seconds: float = 0.0  # processor time of this process while it ran, its threads' (gloo's transfers) included
+    page_faults: int = 0  # pages the kernel had to map for this process while it ran (fresh memory, first touched)
 
 
 class _Account:
@@ -194,7 +196,7 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
                 device: torch.device) -> ExecStats:
     """Run this process's part of a switch (a collective: every process of the plan runs its own,
     on the same group), every transfer done by `deadline`."""
-    start, start_cpu = time.perf_counter(), time.process_time()
+    start, start_cpu, start_faults = time.perf_counter(), time.process_time(), _page_faults()
     account = _Account(program.old_bytes)
     new_local: dict[int, torch.Tensor] = {}
     old = _OldPieces(source)
@@ -260,7 +262,15 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         peak_bytes=account.peak,
         phases=clock.seconds,
         cpu_seconds=time.process_time() - start_cpu,
+        page_faults=_page_faults() - start_faults,
     )
+
+
+def _page_faults() -> int:
+    """Page faults of this process so far (minor and major): on CPU, a fault is a page of fresh
+    memory the kernel maps and zeroes when it is first written."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 # Where a switch's rounds spend their time (`ExecStats.phases`), in the order a round runs them:

@@ -82,6 +82,9 @@ class SwitchReport:
     # The processor seconds every rank's process spent running the schedule, summed over ranks (the
     # threads of its transport included): ÷ `move_seconds`, how many cores the move kept busy.
     move_cpu_seconds: float = 0.0
+    # The page faults every rank's process took while it ran the schedule, summed over ranks: on CPU,
+    # pages of fresh memory (a new piece or buffer the allocator could not give from memory it reuses).
+    move_page_faults: int = 0
 
     def event(self) -> dict:
         return {
@@ -106,6 +109,7 @@ class SwitchReport:
             "device_peak_bytes": self.device_peak_bytes,
             "move_phases": self.move_phases,
             "move_cpu_seconds": self.move_cpu_seconds,
+            "move_page_faults": self.move_page_faults,
         }
 
 
@@ -334,9 +338,10 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
     options.reduceOp = dist.ReduceOp.MAX
     group.allreduce([worst], options).wait()  # any group with torch's methods, as the transport takes
     worst = worst.tolist()
-    summed = torch.tensor([stats.bytes_handed_over, int(stats.cpu_seconds * 1e9)], dtype=torch.int64, device=device)
+    summed = torch.tensor([stats.bytes_handed_over, int(stats.cpu_seconds * 1e9), stats.page_faults],
+                          dtype=torch.int64, device=device)
     group.allreduce([summed]).wait()
-    handed, cpu_ns = summed.tolist()
+    handed, cpu_ns, faults = summed.tolist()
     return SwitchReport(
         step=step,
         old=str(plan.old),
@@ -358,4 +363,5 @@ def switch_report(prepared: PreparedSwitch, stats: ExecStats, seconds: float, ah
         device_peak_bytes=worst[3] if on_cuda else None,
         move_phases={name: ns / 1e9 for name, ns in zip(PHASES, worst[7:])},
         move_cpu_seconds=cpu_ns / 1e9,
+        move_page_faults=faults,
     )
