@@ -70,12 +70,15 @@ own schedule is timed:
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
 - the rates of a local copy into a tensor allocated just before (as the executor allocates the
   new pieces and message buffers: on CPU, fresh pages or reused ones, as the allocator gives), from a
-  contiguous and from a strided slice, by one rank while the others wait (a core to itself); on
-  CPU the ranks' copies and gloo's transfers take turns on the machine's cores
-  (`Cluster.host_cores`);
-- the host time of one piece end beside its bytes (`piece_cost`: a slice of a small piece copied
-  into a slice of another, as the executor does for each part it packs, unpacks or copies), by
-  the same rank alone.
+  contiguous and from a strided slice;
+- the cost of one piece end beside its bytes (`piece_cost`: the executor itself, `run_program`,
+  making many local copies of a small slice, as it does for each part it packs, unpacks or copies).
+
+The copies and the piece cost are measured by every rank at once, as the switch's ranks copy at
+once (sharing the memory and its caches), and on CPU in the processor time of the measuring
+thread, so that four ranks on two cores are not charged for waiting for a core: the model gives
+every rank's copies to the host's cores (`Cluster.host_cores`), where they take turns with
+gloo's transfers. The mean over the ranks is the model's.
 
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
@@ -94,7 +97,9 @@ summed over ranks, its transport's threads included (`SwitchReport.move_cpu_seco
 measurement of step 1 took (``link_cpu_seconds_per_byte``). Where the cores that copy also move
 the bytes (gloo on CPU), the difference is the packing, copying and driving the limit leaves out,
 and ``move_cpu_seconds`` ÷ ``move_seconds`` close to the machine's ``cores`` says that the move
-is bound by them, not by the links.
+is bound by them, not by the links. ``move_page_faults`` counts the pages of fresh memory the
+ranks touched while moving, summed (`SwitchReport.move_page_faults`): on CPU each is a page the
+kernel maps and zeroes, which makes a copy into it several times slower.
 """
 
 from __future__ import annotations
@@ -674,7 +679,7 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         busy = _ratio(r["move_cpu_seconds"], r["move_seconds"])
         print(f"  {r['from'] + ' -> ' + r['to']:<26} {r['move_cpu_seconds']:.2f} core-s in {r['move_seconds']:.2f} s "
               f"({_fmt(busy, '.1f')} cores busy); the links' cost of the bytes moved: {r['transfer_cpu_seconds']:.2f} "
-              f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB)")
+              f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB); {int(r['move_page_faults'])} pages first touched")
     if opts.predict:
         print("predicted on an alpha-beta model of this machine "
               "(link rate, per-message cost, copy rates, per-piece cost):")

@@ -305,6 +305,7 @@ def switch_result() -> dict:
                 "restart_step_seconds": None, "restart_job_seconds": None,
                 "restart_error": None if restart else "exit status 1", "limit_seconds": limit,
                 "predicted_seconds": None, "move_seconds": switch / 2, "move_cpu_seconds": switch, "transfer_cpu_seconds": 0.01,
+                "move_page_faults": 7,
                 "link_bytes_per_s": 1e9, "link_cpu_seconds_per_byte": 1e-9, "bytes_moved": 10, "bytes_kept": 5, "bytes_lower_bound": 10,
                 "bytes_total": 20, "max_bytes_received": 5, "rounds": 1, "budget": 1 << 28, "peak_mem_bytes": 30,
                 "extra_mem_bytes": 3, "state_mismatches": 0, "step_after_seconds": 0.3, "loss_after": 4.0,
@@ -344,7 +345,7 @@ def test_switch_bench_table_says_how_many_cores_the_move_kept_busy(capsys):
     # The fixture's moves took switch / 2 seconds and switch core-seconds: 2 cores busy.
     line = next(line for line in out.splitlines() if line.startswith("  dp=4 -> fsdp=4 ") and "core-s" in line)
     assert "0.20 core-s in 0.10 s (2.0 cores busy)" in line
-    assert line.endswith("the links' cost of the bytes moved: 0.01 core-s (1.00 per GB)")
+    assert line.endswith("the links' cost of the bytes moved: 0.01 core-s (1.00 per GB); 7 pages first touched")
 
 
 def test_switch_bench_draws_the_object_its_report_prints(tmp_path, capsys):

@@ -5,6 +5,8 @@ old pieces are released, memory stays within the budget, and a lost peer is name
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from shardshift.comm import Deadline, TransferError, Transport
 from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout
-from shardshift.reshard.execute import PHASES, compile_program, run_program
+from shardshift.reshard.execute import PHASES, Copy, RoundWork, SwitchProgram, compile_program, run_program
 from shardshift.reshard.plan import Assignment, holdings_of, plan_transition
 from shardshift.reshard.schedule import ALIGN, build_schedule
 from shardshift.reshard.space import Box
@@ -182,3 +184,29 @@ def test_a_peer_that_never_comes_fails_the_round_naming_it():
     with pytest.raises(TransferError, match=rf"rank 0: switch round 1 of {len(program.rounds)}: .* rank 1 ") as err:
         run_program(program, source, sink, Transport(group), Deadline.after(0.5), torch.device("cpu"))
     assert err.value.peer == 1
+
+
+def test_the_pages_a_switch_first_touches_are_counted():
+    """A new piece of 48 MiB (above the largest size glibc ever serves from its heap, 32 MiB: it is
+    mapped fresh) costs page faults when the copy first writes it; the same copy into memory
+    written before costs next to none. `ExecStats.page_faults` tells them apart."""
+    shape = (48, 1 << 18)  # float32: 48 MiB
+    where = (slice(0, 48), slice(0, 1 << 18))
+    nbytes = 48 << 20
+    program = SwitchProgram(
+        rank=0,
+        rounds=(RoundWork(opens=((0, nbytes, shape),), sends=(), recvs=(), copies=(Copy(0, where, where),), closes=()),),
+        idle_opens=(), idle_closes=(), old_bytes=nbytes, new_bytes=nbytes)
+    source = _Source({0: torch.ones(shape)})
+    group = LocalGroup.world(1)[0]
+
+    def faults(target: Callable[[], torch.Tensor]) -> int:
+        sink = SimpleNamespace(open=lambda index: target())
+        stats = run_program(program, source, sink, Transport(group), Deadline.after(30), torch.device("cpu"))
+        return stats.page_faults
+
+    touched = torch.zeros(shape)
+    fresh = faults(lambda: torch.empty(shape))
+    again = faults(lambda: touched)
+    assert fresh > 0 and again <= fresh // 4, (fresh, again)
+    assert torch.equal(touched, source.local(0))
