@@ -76,7 +76,7 @@ own schedule is timed:
 
 The copies and the piece cost are measured by every rank at once, as the switch's ranks copy at
 once (sharing the memory and its caches), and on CPU in the processor time of the measuring
-thread, so that four ranks on two cores are not charged for waiting for a core: the model gives
+process, so that four ranks on two cores are not charged for waiting for a core: the model gives
 every rank's copies to the host's cores (`Cluster.host_cores`), where they take turns with
 gloo's transfers. The mean over the ranks is the model's.
 
@@ -284,7 +284,7 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
     """Bytes per second of a local copy of `nbytes` into a tensor allocated just before, as the
     executor allocates each new piece and message buffer right before it fills it (`_fastest`: on
-    CPU per second of this thread's processor time). On CPU a large allocation gets either fresh
+    CPU per second of this process's processor time). On CPU a large allocation gets either fresh
     pages, which the kernel faults in and zeroes during the copy (on this kind of machine a copy
     then runs at about a fifth of its rate into memory touched before), or memory the allocator
     reuses: the measurement takes what the allocator gives at that moment, as the switch's pieces
@@ -298,7 +298,7 @@ def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float
 
 
 def piece_cost(device: torch.device, pieces: int = 2000) -> float:
-    """Seconds one piece end costs beside its bytes (`_fastest`: on CPU this thread's processor
+    """Seconds one piece end costs beside its bytes (`_fastest`: on CPU this process's processor
     time), measured through the executor itself: `run_program` making `pieces` local copies of
     a small slice each, every one into a piece of its own, with no message. That is the work the
     executor does for every part it packs, unpacks or copies: looking up the two pieces, cutting
@@ -330,11 +330,11 @@ class _NoMessages:
 
 def _fastest(run, device: torch.device) -> float:
     """Seconds of the fastest of three timed calls of `run` after an untimed one: on CUDA the
-    time until the device is done; on CPU the processor time of this thread, so that ranks
-    measuring at once on fewer cores than ranks are not charged for the time they wait for one
-    (the switch's model gives each rank's work to the host's cores). What a call returns is
-    dropped after its clock stops."""
-    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    time until the device is done; on CPU the processor time of this process (its threads: torch's
+    intra-op ones copy too; the transport's are idle meanwhile), so that ranks measuring at once on
+    fewer cores than ranks are not charged for the time they wait for one (the switch's model gives
+    each rank's work to the host's cores). What a call returns is dropped after its clock stops."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     best = float("inf")
     for rep in range(4):
         start = clock()
