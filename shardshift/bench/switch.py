@@ -68,9 +68,9 @@ own schedule is timed:
   machine is not shared; the link rate of step 1 times the ranks is what the machine moves at
   most (the host's bandwidth);
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
-- the rates of a local copy into a tensor allocated just before (as the executor allocates the
-  new pieces and message buffers: on CPU, fresh pages or reused ones, as the allocator gives), from a
-  contiguous and from a strided slice;
+- the rates of a local copy into memory written before (where the switch's new pieces land:
+  ``move_page_faults`` below is a few pages a switch in the suite), from a contiguous and from a
+  strided slice;
 - the cost of one piece end beside its bytes (`piece_cost`: the executor itself, `run_program`,
   making many local copies of a small slice, as it does for each part it packs, unpacks or copies).
 
@@ -282,19 +282,20 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
 
 
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
-    """Bytes per second of a local copy of `nbytes` into a tensor allocated just before, as the
-    executor allocates each new piece and message buffer right before it fills it (`_fastest`: on
-    CPU per second of this process's processor time). On CPU a large allocation gets either fresh
-    pages, which the kernel faults in and zeroes during the copy (on this kind of machine a copy
-    then runs at about a fifth of its rate into memory touched before), or memory the allocator
-    reuses: the measurement takes what the allocator gives at that moment, as the switch's pieces
-    will. CUDA's caching allocator reuses what it freed.
+    """Bytes per second of a local copy of `nbytes` into memory written before (`_fastest`: on
+    CPU per second of this process's processor time). The switch's new pieces land on memory the
+    allocator reuses (the executor's `page_faults`: a few pages a switch in the bench's suite),
+    whereas a tensor allocated for the measurement alone gets fresh pages on CPU (glibc maps
+    anything above 32 MiB afresh, and returns freed memory at the top of its heap), which the
+    kernel faults in and zeroes during the copy, at about a fifth of the rate here: measured that
+    way, the rate depended on what the allocator held at that moment rather than on the copy.
     `strided`: out of every other 1 KiB run of a twice larger matrix, as a column slice of a
     tensor-parallel weight is cut."""
     rows = max(1, nbytes // 1024)
     src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
         torch.ones((rows, 1024), dtype=torch.uint8, device=device)
-    return src.numel() / _fastest(lambda: torch.empty(src.shape, dtype=src.dtype, device=device).copy_(src), device)
+    dst = torch.zeros(src.shape, dtype=src.dtype, device=device)
+    return src.numel() / _fastest(lambda: dst.copy_(src), device)
 
 
 def piece_cost(device: torch.device, pieces: int = 2000) -> float:
