@@ -680,7 +680,8 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
         busy = _ratio(r["move_cpu_seconds"], r["move_seconds"])
         print(f"  {r['from'] + ' -> ' + r['to']:<26} {r['move_cpu_seconds']:.2f} core-s in {r['move_seconds']:.2f} s "
               f"({_fmt(busy, '.1f')} cores busy); the links' cost of the bytes moved: {r['transfer_cpu_seconds']:.2f} "
-              f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB); {int(r['move_page_faults'])} pages first touched")
+              f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB); "
+              f"{int(r['move_page_faults'])} pages first touched")
     if opts.predict:
         print("predicted on an alpha-beta model of this machine "
               "(link rate, per-message cost, copy rates, per-piece cost):")

@@ -195,7 +195,8 @@ def test_the_pages_a_switch_first_touches_are_counted():
     nbytes = 48 << 20
     program = SwitchProgram(
         rank=0,
-        rounds=(RoundWork(opens=((0, nbytes, shape),), sends=(), recvs=(), copies=(Copy(0, where, where),), closes=()),),
+        rounds=(RoundWork(opens=((0, nbytes, shape),), sends=(), recvs=(), copies=(Copy(0, where, where),),
+                          closes=()),),
         idle_opens=(), idle_closes=(), old_bytes=nbytes, new_bytes=nbytes)
     source = _Source({0: torch.ones(shape)})
     group = LocalGroup.world(1)[0]
