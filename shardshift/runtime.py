@@ -6,12 +6,19 @@ N``, the benchmarks, link emulation), which sets ``SHARDSHIFT_STORE`` to a file-
 and ``LOCAL_RANK``. CUDA devices get NCCL; CPUs get gloo (or the backend asked for). Every
 collective of the group times out after `timeout_s`, so a lost peer fails a run instead of
 hanging it.
+
+The device is ``SHARDSHIFT_DEVICE`` (``--device``: auto, cpu or cuda; `resolve_device`). NCCL
+refuses two ranks on one GPU, so `auto` runs on CUDA only when this host has a GPU for every local
+rank, and on the CPU with gloo otherwise (four ranks on a laptop with one GPU train on its CPU).
+GPUs are counted through NVML, as `torch.cuda.device_count` does, not by initialising CUDA: a
+launcher that counts them before forking its ranks leaves CUDA usable in the forks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -23,6 +30,9 @@ from shardshift.launch import STORE_ENV, flush_standard_streams
 
 T = TypeVar("T")
 
+DEVICE_ENV = "SHARDSHIFT_DEVICE"
+DEVICES = ("auto", "cpu", "cuda")
+
 
 @dataclasses.dataclass(frozen=True)
 class Process:
@@ -32,11 +42,51 @@ class Process:
     local_world_size: int
     parent: int = dataclasses.field(default_factory=os.getppid)  # the launcher, when this process started
 
-    @property
+    @functools.cached_property
     def device_type(self) -> str:
-        import torch
+        return resolve_device(os.environ.get(DEVICE_ENV) or "auto", self.local_world_size)
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+
+def resolve_device(requested: str, local_ranks: int) -> str:
+    """The device type ("cuda" or "cpu") of a job with `local_ranks` processes on this host, for
+    `requested` ("auto", "cpu" or "cuda"; see the module docstring). ValueError says what to change
+    when CUDA is asked for and this host has fewer GPUs than local ranks."""
+    if requested not in DEVICES:
+        raise ValueError(f"device {requested!r}: expected one of {', '.join(DEVICES)}")
+    if requested == "cpu":
+        return "cpu"
+    gpus = gpu_count()
+    if gpus and gpus >= local_ranks:
+        return "cuda"
+    if requested == "cuda":
+        raise ValueError(f"--device cuda: {local_ranks} processes on this host need a GPU each (NCCL refuses two "
+                         f"ranks on one GPU) and CUDA sees {gpus}; start at most {gpus} per host, or pass --device cpu")
+    return "cpu"
+
+
+def device_note(requested: str, local_ranks: int) -> str | None:
+    """Why `auto` chose the CPU on a host that has GPUs, for the job's log; None where it did not."""
+    gpus = gpu_count() if requested == "auto" else 0
+    if 0 < gpus < local_ranks:
+        return (f"CUDA sees {gpus} GPU{'s' if gpus > 1 else ''} for {local_ranks} ranks on this host and NCCL needs one "
+                f"per rank: running on the CPU with gloo (start at most {gpus} per host for CUDA)")
+    return None
+
+
+def say_device_note(proc: Process) -> None:
+    """Print `device_note` for this job's ranks on this host, if there is one."""
+    from shardshift.console import say
+
+    note = device_note(os.environ.get(DEVICE_ENV) or "auto", proc.local_world_size)
+    if note:
+        say(note)
+
+
+def gpu_count() -> int:
+    """GPUs CUDA sees here, counted without initialising CUDA where NVML can count them."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def in_worker() -> bool:

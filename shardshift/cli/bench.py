@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from shardshift.cli import add_device_argument
 from shardshift.cli.topo import add_topology_arguments, pack_options_from_args, topology_from_args
 from shardshift.collectives.planning.ops import Collective
 from shardshift.layout import Layout
@@ -65,6 +66,10 @@ def _job(args: argparse.Namespace, build: Callable[[], object], rank_main: Calla
     from shardshift.launch import launch
 
     try:
+        if getattr(args, "device", None) == "cuda":
+            from shardshift.runtime import resolve_device
+
+            resolve_device("cuda", opts.nproc)  # a GPU per rank, or the error says what to do
         if start is not None:
             return start(opts, args.argv)
         return launch(opts.nproc, args.argv, preload=(rank_main.__module__,))
@@ -114,6 +119,7 @@ def _add_train(benches) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     _add_plot_argument(p, "tokens/s per layout as bars")
     p.add_argument("--timeout", type=float, default=600.0)
+    add_device_argument(p)
     p.set_defaults(func=_run_train)
 
 
@@ -171,6 +177,7 @@ def _add_switch(benches) -> None:
     p.add_argument("--json", action="store_true", help='print one JSON object {"transitions": [...], ...}')
     _add_plot_argument(p, "each transition's seconds, four ways, as bars on a log scale")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
+    add_device_argument(p)
     p.set_defaults(func=_run_switch)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 _COMMANDS = (
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     args.argv = argv  # for launchers that re-run the same command in worker processes
+    if getattr(args, "device", None):
+        from shardshift.runtime import DEVICE_ENV
+
+        os.environ[DEVICE_ENV] = args.device  # the ranks, forked or started by torchrun, read it
     code = int(args.func(args) or 0)
     from shardshift.runtime import in_worker, leave
 

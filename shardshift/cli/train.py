@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from shardshift.layout import Layout
-from shardshift.runtime import in_worker, process_from_env
+from shardshift.cli import add_device_argument
+from shardshift.runtime import in_worker, process_from_env, resolve_device
 
 DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)
 # The default run (no --layout, no --switch) shows online switching: a pipeline from 40% of the
@@ -56,6 +57,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-budget", default="256M",
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    add_device_argument(p)
     p.add_argument("--plot", action="store_true",
                    help="at the end, draw the run (loss, tokens/s, switches) beside --metrics, as .png")
     p.add_argument("--run-dir", default=None, metavar="DIR",
@@ -261,17 +263,13 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
 
 
 def _memory_per_worker(args: argparse.Namespace, default_max: int) -> int:
-    """--memory-per-worker in bytes; by default the GPU's memory, or this machine's divided by
-    --max-nproc. The launcher resolves the default once and passes it on (`_elastic_run`), so that
+    """--memory-per-worker in bytes; by default this machine's memory divided by --max-nproc (an
+    elastic job runs on the CPU). The launcher resolves the default once and passes it on (`_elastic_run`), so that
     every worker, on any host, sees the same limit."""
     from shardshift.units import parse_size
 
     if args.memory_per_worker is not None:
         return parse_size(args.memory_per_worker, "--memory-per-worker")
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (args.max_nproc or default_max)
 
 
@@ -305,6 +303,9 @@ def _elastic_run(args: argparse.Namespace) -> int:
     try:
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
+        if args.device == "cuda":
+            raise ValueError("--elastic runs on the CPU with gloo in this build (the state moves between worlds over "
+                             "gloo groups of CPU tensors): leave --device out or pass --device cpu")
         nproc, cfg, ecfg = elastic_job(args)
         if not in_worker():
             _check_before_launch(cfg, args.log_dir)
@@ -343,6 +344,8 @@ def run(args: argparse.Namespace) -> int:
         layout = _layout(args, nproc)
         nproc = layout.world_size if nproc is None else nproc
         layout.check_world(nproc)
+        if not in_worker():
+            resolve_device(args.device or "auto", nproc)  # refuses --device cuda without a GPU per rank
         if not in_worker() and args.run_dir is None and _is_default_job(args, layout):
             args.run_dir = _new_run_dir()  # the workers are told where it is
             argv += ["--run-dir", args.run_dir]

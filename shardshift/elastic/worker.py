@@ -166,8 +166,8 @@ class _Change:
         return len(self.union) - len(self.placement.lost)
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
@@ -206,7 +206,9 @@ class ElasticWorker:
     def __init__(self, cfg: TrainConfig, ecfg: ElasticConfig, store: dist.Store, member: int, timeout_s: float):
         self.cfg, self.ecfg, self.store, self.member, self.timeout_s = cfg, ecfg, store, member, timeout_s
         self.tokens = load_tokens(cfg.data)
-        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        # The state moves between worlds over gloo groups built by hand (`membership.move_group`),
+        # which take CPU tensors: an elastic job runs on the CPU (the command line refuses --device cuda).
+        self.device_type = "cpu"
         self.trainer: Trainer | None = None
         self.epoch: Epoch | None = None
         self.metrics: Metrics | None = None
@@ -229,7 +231,7 @@ class ElasticWorker:
         cfg = self.cfg
         cfg.layout.check_world(proc.world_size)
         epoch = Epoch(0, tuple(range(proc.world_size)), cfg.layout, 0)
-        membership.init_world(self.store, epoch, proc.rank, self.timeout_s, _backend())
+        membership.init_world(self.store, epoch, proc.rank, self.timeout_s, _backend(self.device_type))
         resume = resume_point(cfg, self.tokens, proc.rank) if (cfg.resume or cfg.save) else None
         self.trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
         self.metrics = Metrics(cfg.metrics, proc.rank)
@@ -465,7 +467,7 @@ class ElasticWorker:
         rank = survivors.index(self.member)
         if rank == 0:
             membership.announce(self.store, next_epoch, range(0))
-        membership.init_world(self.store, next_epoch, rank, self.timeout_s, _backend())
+        membership.init_world(self.store, next_epoch, rank, self.timeout_s, _backend(self.device_type))
         self.cfg = new_cfg
         self.trainer = Trainer(new_cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
         checkpoint.load(self.trainer, newest[0])
@@ -568,7 +570,7 @@ class ElasticWorker:
         new_par, rank = None, None
         if process in change.plan.new.ranks:
             rank = change.plan.new.ranks.index(process)
-            membership.init_world(self.store, change.epoch, rank, self.timeout_s, _backend())
+            membership.init_world(self.store, change.epoch, rank, self.timeout_s, _backend(self.device_type))
             clock.lap("new_world")
             new_par = build_parallel(change.epoch.layout, rank, self.device_type)
             clock.lap("meshes")

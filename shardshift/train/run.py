@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from shardshift.comm import TransferError
 from shardshift.console import say
-from shardshift.runtime import run_in_group
+from shardshift.runtime import run_in_group, say_device_note
 from shardshift.train import checkpoint
 from shardshift.train.catalog import REPLACED_PREFIX, RunIdentity, check_save_dir, checkpoints, choose
 from shardshift.train.config import TrainConfig
@@ -234,8 +234,8 @@ def _choose(cfg: TrainConfig, tokens) -> str | None:
 def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     cfg.layout.check_world(proc.world_size)
     if cfg.collectives == "trees" and proc.device_type != "cpu":
-        raise ValueError("--collectives trees runs on CPU tensors (gloo) only in this build; on GPUs leave it out "
-                         "(NCCL)")
+        raise ValueError("--collectives trees runs on CPU tensors (gloo) only in this build: on GPUs leave it out "
+                         "(NCCL), or pass --device cpu")
     tokens = load_tokens(cfg.data)
     resume = resume_point(cfg, tokens, proc.rank) if (cfg.resume or cfg.save) else None
     trainer = Trainer(cfg, proc.rank, proc.device_type, tokens=tokens, timeout_s=timeout_s)
@@ -245,6 +245,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
         metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),
                        "layout": str(cfg.layout)})
     if proc.rank == 0:
+        say_device_note(proc)
         say(
             f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
             f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}"
