@@ -175,6 +175,8 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
             start = time.perf_counter()
             for _ in range(steps):
                 variant.train_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the steps' kernels done, not only queued
             dist.barrier()
             seconds[name] += time.perf_counter() - start
     total = steps * rounds
