@@ -129,12 +129,15 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> Process:
         # A single-host job (torchrun --standalone): keep gloo's sockets on the loopback interface,
         # as our own launcher does, rather than on whatever address the hostname resolves to.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The rank's GPU named up front: NCCL binds the group to it, and barrier() need not guess it.
+    device = {"device_id": torch.device("cuda", proc.local_rank)} if backend == "nccl" else {}
     store_path = os.environ.get(STORE_ENV)
     if store_path:
         store = dist.FileStore(store_path, proc.world_size)
-        dist.init_process_group(backend, store=store, rank=proc.rank, world_size=proc.world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=proc.rank, world_size=proc.world_size, timeout=timeout,
+                                **device)
     else:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        dist.init_process_group(backend, init_method="env://", timeout=timeout, **device)
     return proc
 
 

@@ -197,7 +197,9 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
         for r in results
     ]
     base = opts.base
-    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "topology": opts.topology,
+    # "gloo" names the process group's own collectives: NCCL's on CUDA.
+    own = "nccl" if device_type == "cuda" else "gloo"
+    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "backend": own, "topology": opts.topology,
               "emulate_scale": opts.emulate_scale if opts.emulate else None, "rows": rows}
     if opts.json:
         print(json.dumps(result))
@@ -206,8 +208,9 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
                                        else " (loopback)") if opts.topology else ""
     print(f"model {base.model_name}, {opts.nproc} {device_type} ranks{where}, global batch {base.global_batch}, "
           f"{ddp.steps} timed steps per variant")
-    print(f"{'layout':<16}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs gloo':>9}")
+    print(f"{'layout':<16}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs ' + own:>9}")
     for row in rows:
-        print(f"{row['layout']:<16}{row['collectives']:<13}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}"
+        shown = own if row["collectives"] == "gloo" else row["collectives"]
+        print(f"{row['layout']:<16}{shown:<13}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}"
               f"{row['ratio_vs_gloo']:>9.3f}")
     return result
