@@ -38,7 +38,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run it, log it, one summary line
     timeout -k 10 "$limit" "$@" >"$logs/$name.log" 2>&1
     rc=$?
     echo "    rc=$rc in $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$out/summary.txt"
-    grep -E "^(training|switched|done|resuming|shardshift: error|CUDA sees|layout|ddp|dp=|model)|Error|error:|Duplicate" \
+    grep -E "^(training|switched|done|resuming|shardshift: error|CUDA sees|layout|ddp|dp=|model)|Error|error:|Dup" \
         "$logs/$name.log" | tail -n 12 | sed 's/^/    /' | tee -a "$out/summary.txt"
     return 0
 }
@@ -86,7 +86,8 @@ for a, b in (("cuda-f64.jsonl", "cpu-f64.jsonl"), ("cuda-resume.jsonl", "cpu-res
     print(f"    {a} vs {b}: {len(common)} steps, worst relative loss difference {worst:.3e}, "
           f"last {la[common[-1]]:.6f} vs {lb[common[-1]]:.6f}")
 EOF
-step cuda-bf16 60 "${ss[@]}" train --device $dev --nproc 1 --layout dp=1 --model small --steps 30 --dtype bfloat16 --log-every 10
+step cuda-bf16 60 "${ss[@]}" train --device $dev --nproc 1 --layout dp=1 --model small --steps 30 --dtype bfloat16 \
+    --log-every 10
 # Tokens/s of the `base` model on the GPU: ShardShift's one-rank layout beside plain DDP.
 step bench-train-cuda 90 "${ss[@]}" bench train --device $dev --nproc 1 --layout dp=1 --also '' --model base \
     --global-batch 16 --steps 5 --rounds 3 --warmup 2
@@ -139,9 +140,11 @@ except Exception as err:
     print(f"    no bench result: {err}"); raise SystemExit
 print(f"    {doc['nproc']} {doc['device']} ranks on {doc['cores']} cores, {doc['repeats']} repeats")
 for t in doc["transitions"]:
-    print(f"    {t['from']:>12} -> {t['to']:<12} switch {t['switch_seconds']:.3f} s, moving {t['move_seconds']:.3f} s "
-          f"({t['move_cpu_seconds']:.2f} core-s), limit {t['limit_seconds']:.3f} s (sw/lim {t['switch_over_limit']:.2f}), "
-          f"predicted {t.get('predicted_seconds', float('nan')):.3f} s (x{t.get('predicted_over_move', float('nan')):.2f}), "
+    nan = float("nan")
+    print(f"    {t['from']:>12} -> {t['to']:<12} switch {t['switch_seconds']:.3f} s, "
+          f"moving {t['move_seconds']:.3f} s ({t['move_cpu_seconds']:.2f} core-s), "
+          f"limit {t['limit_seconds']:.3f} s (sw/lim {t['switch_over_limit']:.2f}), "
+          f"predicted {t.get('predicted_seconds', nan):.3f} s (x{t.get('predicted_over_move', nan):.2f}), "
           f"dcp {t['dcp_seconds']:.2f} s (dcp/sw {t['dcp_over_switch']:.1f})")
 print("    geomean", {k: round(v, 3) for k, v in doc["geomean"].items() if isinstance(v, (int, float))})
 EOF

@@ -68,8 +68,9 @@ def device_note(requested: str, local_ranks: int) -> str | None:
     """Why `auto` chose the CPU on a host that has GPUs, for the job's log; None where it did not."""
     gpus = gpu_count() if requested == "auto" else 0
     if 0 < gpus < local_ranks:
-        return (f"CUDA sees {gpus} GPU{'s' if gpus > 1 else ''} for {local_ranks} ranks on this host and NCCL needs one "
-                f"per rank: running on the CPU with gloo (start at most {gpus} per host for CUDA)")
+        plural = "s" if gpus > 1 else ""
+        return (f"CUDA sees {gpus} GPU{plural} for {local_ranks} ranks on this host and NCCL needs one per rank: "
+                f"running on the CPU with gloo (start at most {gpus} per host for CUDA)")
     return None
 
 

@@ -199,7 +199,8 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
     base = opts.base
     # "gloo" names the process group's own collectives: NCCL's on CUDA.
     own = "nccl" if device_type == "cuda" else "gloo"
-    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "backend": own, "topology": opts.topology,
+    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "backend": own,
+              "topology": opts.topology,
               "emulate_scale": opts.emulate_scale if opts.emulate else None, "rows": rows}
     if opts.json:
         print(json.dumps(result))
