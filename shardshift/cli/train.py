@@ -344,8 +344,6 @@ def run(args: argparse.Namespace) -> int:
         layout = _layout(args, nproc)
         nproc = layout.world_size if nproc is None else nproc
         layout.check_world(nproc)
-        if not in_worker():
-            resolve_device(args.device or "auto", nproc)  # refuses --device cuda without a GPU per rank
         if not in_worker() and args.run_dir is None and _is_default_job(args, layout):
             args.run_dir = _new_run_dir()  # the workers are told where it is
             argv += ["--run-dir", args.run_dir]
@@ -356,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
                     raise ValueError(f"--run-dir {args.run_dir}: a file is in the way; give a directory")
                 Path(args.run_dir).mkdir(parents=True, exist_ok=True)
             _check_before_launch(cfg, args.log_dir)
+            if args.device == "cuda":  # a GPU per rank, or the error says what to do (it needs torch: last)
+                resolve_device("cuda", nproc)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
