@@ -44,7 +44,12 @@ class Process:
 
     @functools.cached_property
     def device_type(self) -> str:
-        return resolve_device(os.environ.get(DEVICE_ENV) or "auto", self.local_world_size)
+        return resolve_device(requested_device(), self.local_world_size)
+
+
+def requested_device() -> str:
+    """The device this job was asked for (``SHARDSHIFT_DEVICE``, set from ``--device``): auto by default."""
+    return os.environ.get(DEVICE_ENV) or "auto"
 
 
 def resolve_device(requested: str, local_ranks: int) -> str:
@@ -78,7 +83,7 @@ def say_device_note(proc: Process) -> None:
     """Print `device_note` for this job's ranks on this host, if there is one."""
     from shardshift.console import say
 
-    note = device_note(os.environ.get(DEVICE_ENV) or "auto", proc.local_world_size)
+    note = device_note(requested_device(), proc.local_world_size)
     if note:
         say(note)
 

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from shardshift.layout import Layout
 from shardshift.cli import add_device_argument
+from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env, resolve_device
 
 DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)

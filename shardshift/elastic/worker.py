@@ -166,10 +166,6 @@ class _Change:
         return len(self.union) - len(self.placement.lost)
 
 
-def _backend(device_type: str) -> str:
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
 def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old_members: tuple[int, ...], old_layout: Layout,
                 old_ranks: tuple[int, ...], leaving: set[int], joiners: list[int], number: int, kind: str, step: int,
                 admitted: int, lost: frozenset[int] = frozenset(), copies: tuple[Duty, ...] = (),
@@ -207,7 +203,8 @@ class ElasticWorker:
         self.cfg, self.ecfg, self.store, self.member, self.timeout_s = cfg, ecfg, store, member, timeout_s
         self.tokens = load_tokens(cfg.data)
         # The state moves between worlds over gloo groups built by hand (`membership.move_group`),
-        # which take CPU tensors: an elastic job runs on the CPU (the command line refuses --device cuda).
+        # which take CPU tensors: an elastic job runs on the CPU, its worlds on gloo (the command
+        # line refuses --device cuda).
         self.device_type = "cpu"
         self.trainer: Trainer | None = None
         self.epoch: Epoch | None = None
@@ -231,7 +228,7 @@ class ElasticWorker:
         cfg = self.cfg
         cfg.layout.check_world(proc.world_size)
         epoch = Epoch(0, tuple(range(proc.world_size)), cfg.layout, 0)
-        membership.init_world(self.store, epoch, proc.rank, self.timeout_s, _backend(self.device_type))
+        membership.init_world(self.store, epoch, proc.rank, self.timeout_s, "gloo")
         resume = resume_point(cfg, self.tokens, proc.rank) if (cfg.resume or cfg.save) else None
         self.trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
         self.metrics = Metrics(cfg.metrics, proc.rank)
@@ -467,7 +464,7 @@ class ElasticWorker:
         rank = survivors.index(self.member)
         if rank == 0:
             membership.announce(self.store, next_epoch, range(0))
-        membership.init_world(self.store, next_epoch, rank, self.timeout_s, _backend(self.device_type))
+        membership.init_world(self.store, next_epoch, rank, self.timeout_s, "gloo")
         self.cfg = new_cfg
         self.trainer = Trainer(new_cfg, rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
         checkpoint.load(self.trainer, newest[0])
@@ -570,7 +567,7 @@ class ElasticWorker:
         new_par, rank = None, None
         if process in change.plan.new.ranks:
             rank = change.plan.new.ranks.index(process)
-            membership.init_world(self.store, change.epoch, rank, self.timeout_s, _backend(self.device_type))
+            membership.init_world(self.store, change.epoch, rank, self.timeout_s, "gloo")
             clock.lap("new_world")
             new_par = build_parallel(change.epoch.layout, rank, self.device_type)
             clock.lap("meshes")
