@@ -67,12 +67,16 @@ own schedule is timed:
 - a rank's port: one pair's rate when it exchanges alone (ranks 0 and 1, both ways), as when the
   machine is not shared; the link rate of step 1 times the ranks is what the machine moves at
   most (the host's bandwidth);
-- the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages;
+- the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages,
+  in time and (on CPU) in processor time, the transport's threads included, which the model books
+  on the cores beside the copies;
 - the rates of a local copy into memory written before (where the switch's new pieces land:
   ``move_page_faults`` below is a few pages a switch in the suite), from a contiguous and from a
   strided slice;
 - the cost of one piece end beside its bytes (`piece_cost`: the executor itself, `run_program`,
-  making many local copies of a small slice, as it does for each part it packs, unpacks or copies).
+  making many local copies of a small slice, as it does for each part it packs, unpacks or copies);
+- on CPU, the rate at which freed memory goes back to the kernel (`free_rate`), at which the
+  model books the old pieces each rank frees.
 
 The copies and the piece cost are measured by every rank at once, as the switch's ranks copy at
 once (sharing the memory and its caches), and on CPU in the processor time of the measuring
@@ -84,7 +88,8 @@ gloo's transfers. The mean over the ranks is the model's.
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
 and wrappers, which the model leaves out). The record keeps what the model was given: the
-per-message cost, the lone pair's rate, the two copy rates and the piece cost (``model_*``).
+per-message cost and its processor time, the lone pair's rate, the two copy rates, the piece
+cost and the freeing rate (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -237,26 +242,30 @@ def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
     return LinkRate((world - 1) * nbytes / best, float(total) / (reps * world * (world - 1) * nbytes))
 
 
-def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> float:
-    """Seconds one message end costs a rank when many are in flight, as in a switch round: every
-    rank posts `per_pair` tiny messages to and from every other at once; the best round's time ÷
-    the messages one rank sends and receives in it."""
+def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> tuple[float, float]:
+    """What one message end costs a rank when many are in flight, as in a switch round: every rank
+    posts `per_pair` tiny messages to and from every other at once. Returns the seconds (the best
+    round's time ÷ the message ends of one rank) and the processor time (of every rank's process,
+    its transport's threads included, ÷ every rank's message ends; the least over the rounds)."""
     transport = Transport(dist.group.WORLD)
     peers = [p for p in range(transport.size) if p != transport.rank]
     send = torch.zeros(64, dtype=torch.uint8, device=device)
     inbox = [torch.empty(64, dtype=torch.uint8, device=device) for _ in range(len(peers) * per_pair)]
-    best = float("inf")
+    best, least = float("inf"), float("inf")
     for rep in range(reps + 1):  # the first is a warm-up
         tags = [_P2P_TAG + (rep * per_pair + k) for k in range(per_pair)]
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         transport.post_round([PeerOp(p, send, tag) for p in peers for tag in tags],
                              [PeerOp(p, buf, tag) for (p, tag), buf in zip(((p, t) for p in peers for t in tags), inbox)],
                              "measuring the per-message cost").wait(Deadline.after(timeout_s))
-        seconds = _max_over_ranks(time.perf_counter() - start, device)
+        seconds, cpu = _max_over_ranks(time.perf_counter() - start, device), time.process_time() - start_cpu
+        total = torch.tensor([cpu], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
         if rep:
-            best = min(best, seconds)
-    return best / (2 * len(peers) * per_pair)
+            best, least = min(best, seconds), min(least, float(total))
+    ends = 2 * len(peers) * per_pair
+    return best / ends, least / (transport.size * ends)
 
 
 def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> float:
@@ -329,6 +338,23 @@ class _NoMessages:
         pass
 
 
+def free_rate(nbytes: int) -> float:
+    """Bytes per second of this process's processor time at which the CPU frees memory written
+    before: `nbytes` (at least 64 MiB, above the largest size glibc serves from its heap, so that
+    the memory is mapped for it alone) written, then released, which hands its pages back to the
+    kernel, as a switch's release of an old piece does where glibc mapped that piece on its own."""
+    nbytes = max(nbytes, 64 << 20)
+
+    def free():
+        data = torch.ones(nbytes, dtype=torch.uint8)
+        start = time.process_time()
+        data.untyped_storage().resize_(0)
+        return time.process_time() - start
+
+    free()  # an untimed one
+    return nbytes / max(min(free() for _ in range(3)), 1e-9)
+
+
 def _fastest(run, device: torch.device) -> float:
     """Seconds of the fastest of three timed calls of `run` after an untimed one: on CUDA the
     time until the device is done; on CPU the processor time of this process (its threads: torch's
@@ -348,16 +374,17 @@ def _fastest(run, device: torch.device) -> float:
     return best
 
 
-def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
-    """The contiguous and strided `copy_rate` and the `piece_cost`, measured by every rank at once
-    (after a barrier), as the switch's ranks copy at once, sharing the memory, its caches and on
-    CPU the cores: the mean over the ranks, the same on every rank."""
+def _host_rates(nbytes: int, device: torch.device) -> tuple[float, float, float, float]:
+    """The contiguous and strided `copy_rate`, the `piece_cost` and on CPU the `free_rate` (0 on
+    CUDA: freed memory goes back to the caching allocator), measured by every rank at once (after
+    a barrier), as the switch's ranks work at once, sharing the memory, its caches and on CPU the
+    cores: the mean over the ranks, the same on every rank."""
     dist.barrier()
-    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device)],
-                         dtype=torch.float64, device=device)
+    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device),
+                          0.0 if device.type == "cuda" else free_rate(nbytes)], dtype=torch.float64, device=device)
     dist.all_reduce(rates)
     rates /= dist.get_world_size()
-    return float(rates[0]), float(rates[1]), float(rates[2])
+    return float(rates[0]), float(rates[1]), float(rates[2]), float(rates[3])
 
 
 def _cores() -> int:
@@ -370,18 +397,19 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     docstring): ``predicted_seconds`` and the model's measured inputs (``model_*``)."""
     from shardshift.simulate.cluster import Cluster, predict
 
-    alpha = message_cost(opts.p2p_reps, device, opts.timeout_s)
+    alpha, alpha_cpu = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided, piece = _copy_rates(opts.p2p_bytes, device)
+    copies, strided, piece, freeing = _host_rates(opts.p2p_bytes, device)
     world = dist.get_world_size()
-    # On CUDA each GPU copies on its own; on CPU the ranks' copies and gloo's transfers share the cores.
-    cores = 0 if device.type == "cuda" else _cores()
+    # On CUDA each GPU copies on its own; on CPU the ranks' copies, messages and freeing share the cores with gloo.
+    cpu = device.type != "cuda"
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
-                      strided_copy_bandwidth=strided, host_cores=cores, piece_seconds=piece, name="this machine")
+                      strided_copy_bandwidth=strided, host_cores=_cores() if cpu else 0, piece_seconds=piece,
+                      message_host_seconds=alpha_cpu if cpu else 0.0, free_bandwidth=freeing, name="this machine")
     return {"predicted_seconds": predict(schedule, machine).seconds, "model_message_seconds": alpha,
-            "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
-            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece}
+            "model_message_cpu_seconds": alpha_cpu, "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
+            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece, "model_free_bytes_per_s": freeing}
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:
@@ -684,13 +712,14 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
               f"{int(r['move_page_faults'])} pages first touched")
     if opts.predict:
         print("predicted on an alpha-beta model of this machine "
-              "(link rate, per-message cost, copy rates, per-piece cost):")
+              "(link rate, per-message cost, copy rates, per-piece cost, freeing rate):")
         for r in records:
             print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s; moving took "
                   f"{r['move_seconds']:.3f} s (x{r['predicted_over_move']:.2f}), the switch {r['switch_seconds']:.3f} s "
                   f"(x{r['predicted_over_switch']:.2f}); copies at {r['model_copy_bytes_per_s'] / 1e9:.1f} GB/s, "
                   f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided, "
-                  f"{1e6 * r['model_piece_seconds']:.1f} us a piece")
+                  f"{1e6 * r['model_piece_seconds']:.1f} us a piece, {1e6 * r['model_message_cpu_seconds']:.1f} "
+                  f"core-us a message end, frees at {r['model_free_bytes_per_s'] / 1e9:.1f} GB/s")
         within = sum(1 for r in records if 0.7 <= r["predicted_over_move"] <= 1.3)
         print(f"  within 30% of the moving: {within} of {len(records)}; geometric mean x{means['predicted_over_move']:.2f} "
               f"of the moving, x{means['predicted_over_switch']:.2f} of the switch")

@@ -17,7 +17,10 @@ receives, plus its copies at `copy_bandwidth` (HBM class by default), or
 cuts out or fills (the host's work of driving a copy or a message part: its views and the copy's
 dispatch; 0 by default). On a host whose processors both copy and move the bytes (`host_cores`:
 a CPU host, where gloo moves bytes with the cores that copy), the host's time is its bytes moved
-÷ `host_bandwidth` plus the seconds of every copy its GPUs make ÷ its cores. The copies are the
+÷ `host_bandwidth` plus, ÷ its cores, the seconds of every copy its ranks make, the processor
+time of every message end (`message_host_seconds`: posting it, the transport's handling beside
+its bytes) and of freeing the old pieces each rank ends in the round at `free_bandwidth` (pages
+handed back to the kernel; a piece kept whole frees nothing it wrote; 0: not booked). The copies are the
 executor's (`reshard.execute`): every local piece once, but none for a whole piece kept (new box =
 old box: its memory is handed over); a moved piece once at the sender unless it travels alone from a contiguous slice of the old
 piece, and once at the receiver unless it travels alone into a contiguous slice of the new piece
@@ -33,10 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from shardshift.reshard.classes import NOTHING, class_at
 from shardshift.units import parse_duration, parse_rate
 
 _RATES = ("intra_bandwidth", "host_bandwidth", "nic_bandwidth", "copy_bandwidth", "strided_copy_bandwidth")
-_TIMES = ("intra_latency", "latency", "piece_seconds")
+_TIMES = ("intra_latency", "latency", "piece_seconds", "message_host_seconds")
 _TOPOLOGY_ONLY = ("hosts_per_leaf", "spines", "rails")  # shape the fabric, which the model takes as non-blocking
 
 
@@ -54,6 +58,9 @@ class Cluster:
     strided_copy_bandwidth: float = 0.0  # bytes/s of a copy to or from a non-contiguous slice (0: copy_bandwidth)
     host_cores: int = 0  # processors that make a host's copies and move its bytes too (a CPU host); 0: GPUs copy apart
     piece_seconds: float = 0.0  # host time each end of a piece costs (its views, the copy's dispatch), beside its bytes
+    # On a CPU host (`host_cores`) only, taking turns on its cores with the copies:
+    message_host_seconds: float = 0.0  # processor time each message end costs (posting it, the transport's handling)
+    free_bandwidth: float = 0.0  # bytes/s of processor time freeing old pieces (pages back to the kernel); 0: none
     name: str = "cluster"
 
     def __post_init__(self) -> None:
@@ -63,6 +70,8 @@ class Cluster:
                 raise ValueError(f"cluster {field}={value!r} must be an integer >= 1")
         if not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool) or self.host_cores < 0:
             raise ValueError(f"cluster host_cores={self.host_cores!r} must be an integer >= 0 (0: GPUs copy apart)")
+        if not self.free_bandwidth >= 0:
+            raise ValueError(f"cluster free_bandwidth={self.free_bandwidth!r} must be >= 0 bytes/s (0: not booked)")
         if not self.strided_copy_bandwidth:
             object.__setattr__(self, "strided_copy_bandwidth", self.copy_bandwidth)
         if not self.host_bandwidth:
@@ -110,7 +119,7 @@ def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; a cluster takes {', '.join(sorted(known - {'preset'}))}")
     values = {k: v for k, v in data.items() if k not in _TOPOLOGY_ONLY and k != "preset"}
-    for key in _RATES:
+    for key in (*_RATES, "free_bandwidth"):
         if key in values:
             values[key] = parse_rate(values[key])
     for key in _TIMES:
@@ -141,8 +150,11 @@ def predict(schedule, cluster: Cluster) -> Prediction:
                          f"give a cluster of at least {n}")
     nics = cluster.hosts * cluster.nics_per_host
     rounds, totals = [], _Tally(n, nics)
-    for pieces in schedule.pieces:
+    freeing = _freed(schedule) if cluster.host_cores and cluster.free_bandwidth else None
+    for index, pieces in enumerate(schedule.pieces):
         tally, by_flow = _Tally(n, nics), {}
+        if freeing is not None:
+            tally.freed += freeing[index]
         for piece in pieces:  # a flow's pieces in one round travel between the same processes: summed first
             nbytes = piece.box.numel * plan.tensors[piece.tensor].itemsize
             entry = by_flow.setdefault(id(piece.flow), _FlowRound(piece.flow))
@@ -181,6 +193,19 @@ def predict(schedule, cluster: Cluster) -> Prediction:
     )
 
 
+def _freed(schedule) -> np.ndarray:
+    """float[round, process]: bytes of the old pieces each process frees at the end of each round
+    (every tensor's after the last round it moves in)."""
+    plan = schedule.plan
+    out = np.zeros((len(schedule.pieces), plan.world_size))
+    for tensor, (_, last) in schedule.tensor_rounds.items():
+        classes = plan.old_classes[tensor]
+        sizes = np.array([box.numel for box in classes.boxes] + [0], dtype=np.float64) * plan.tensors[tensor].itemsize
+        of = class_at(classes.of_coord, plan.held)
+        out[last] += sizes[np.where(of == NOTHING, -1, of)]
+    return out
+
+
 def contiguous(box, outer) -> bool:
     """Whether `box`, cut out of a row-major tensor holding `outer`, is one run of memory: whole in
     every dim after some dim, and one element wide in every dim before it."""
@@ -212,6 +237,7 @@ class _Tally:
         self.intra_in, self.intra_out = np.zeros(n), np.zeros(n)
         self.copied, self.copying = np.zeros(n), np.zeros(n)  # bytes of local pieces; seconds of every copy
         self.messages, self.remote_messages = np.zeros(n), np.zeros(n)  # ends of messages, by where the peer is
+        self.freed = np.zeros(n)  # bytes of old pieces freed
         self.nic_in, self.nic_out = np.zeros(nics), np.zeros(nics)
         self.packed: list[np.ndarray] = []  # pairs (src * n + dst) of small segments, packed one message a pair
 
@@ -219,6 +245,7 @@ class _Tally:
         flow, nbytes, direct = entry.flow, entry.nbytes, entry.direct
         local = flow.src == flow.dst
         np.add.at(self.copied, flow.dst[local], nbytes - entry.handed)
+        np.add.at(self.freed, flow.dst[local], -entry.handed)  # live on as the new piece: it frees bytes never written
         handling = entry.pieces * cluster.piece_seconds
         np.add.at(self.copying, flow.dst[local], entry.local_copy_seconds + handling)
         src, dst = flow.src[~local], flow.dst[~local]
@@ -239,7 +266,8 @@ class _Tally:
         np.add.at(self.remote_messages, np.concatenate([src[~same], dst[~same]]), times)
 
     def merge(self, other: "_Tally") -> None:
-        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "nic_in", "nic_out"):
+        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "freed", "nic_in",
+                     "nic_out"):
             getattr(self, name)[...] += getattr(other, name)
 
     def seconds(self, cluster: Cluster) -> float:
@@ -254,6 +282,9 @@ class _Tally:
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
         hosts = cluster.host(np.arange(self.n))
         switch = np.bincount(hosts, weights=self.intra_in) / cluster.host_bandwidth
-        if cluster.host_cores:  # copies take turns with the transfers on the host's cores
-            switch = switch + np.bincount(hosts, weights=self.copying) / cluster.host_cores
+        if cluster.host_cores:  # copies, messages and freeing take turns with the transfers on the host's cores
+            work = self.copying + (self.messages + self.remote_messages) * cluster.message_host_seconds
+            if cluster.free_bandwidth:
+                work = work + self.freed / cluster.free_bandwidth
+            switch = switch + np.bincount(hosts, weights=work, minlength=cluster.hosts) / cluster.host_cores
         return float(max(gpu.max(initial=0), nic.max(initial=0), switch.max(initial=0)))

@@ -16,6 +16,7 @@ import torch
 
 from shardshift.cli.main import main
 from shardshift.layout import Layout
+from shardshift.reshard.execute import compile_program
 from shardshift.reshard.plan import Assignment, plan_transition
 from shardshift.reshard.schedule import build_schedule
 from shardshift.simulate.cluster import Cluster, cluster_from_dict, load_cluster
@@ -147,10 +148,53 @@ def test_each_end_of_a_piece_costs_the_host_its_handling():
         Cluster(piece_seconds=-1.0)
 
 
+def test_a_cpu_host_books_each_message_end_and_the_freeing_of_old_pieces_on_its_cores():
+    # Links, copies and pieces free: what is left is the host's processor time for each message
+    # end and for the old pieces freed (not the bytes of a piece kept whole: they become the new
+    # piece), all ranks' on the host's two cores. The expected figures come from the executor's
+    # own program of each rank, not from the model.
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18, host_cores=2)
+    messages = dataclasses.replace(free, message_host_seconds=1e-3)
+    freeing = dataclasses.replace(free, free_bandwidth=1e6)
+
+    def program_totals(sim):
+        ends = freed = 0
+        for rank in range(4):
+            program = compile_program(sim.schedule, rank)
+            for step in program.rounds:
+                ends += len(step.sends) + len(step.recvs)
+                freed += sum(nbytes for _, nbytes in step.closes)
+                freed -= sum(sim.plan.piece_bytes(sim.plan.new_boxes, rank, c.tensor) for c in step.copies if c.whole)
+        return ends, freed
+
+    spread = simulate_switch(space, Layout(fsdp=4), Layout(dp=4), messages, budget=1 << 40)
+    ends, _ = program_totals(spread)
+    assert ends > 0 and spread.prediction.seconds == pytest.approx(1e-3 * ends / 2, rel=0.01)
+    assert simulate_switch(space, Layout(fsdp=4), Layout(dp=4), free, budget=1 << 40).prediction.seconds < 1e-9
+    # No message: every rank frees its replica, but for the pieces it keeps whole (norms stay replicated under tp).
+    shard = simulate_switch(space, Layout(dp=4), Layout(tp=4), freeing, budget=1 << 40)
+    ends, freed = program_totals(shard)
+    kept = [c for step in compile_program(shard.schedule, 0).rounds for c in step.copies if c.whole]
+    assert ends == 0 and kept and 0 < freed < 4 * shard.plan.held_bytes(shard.plan.old_boxes, 0)
+    assert shard.prediction.seconds == pytest.approx(freed / 1e6 / 2, rel=0.01)
+    # GPUs (no host_cores) book neither: their transport and caching allocator do not take the host's cores.
+    for cluster in (messages, freeing):
+        gpus = dataclasses.replace(cluster, host_cores=0)
+        assert simulate_switch(space, Layout(dp=4), Layout(fsdp=4), gpus, budget=1 << 40).prediction.seconds < 1e-9
+    for field in ("message_host_seconds", "free_bandwidth"):
+        with pytest.raises(ValueError, match=field):
+            Cluster(**{field: -1.0})
+
+
 def test_the_shipped_cluster_file_reads_as_the_topology_preset():
     cluster = load_cluster(ROOT / "docs/topologies/cluster-dynatrain.yaml")
     assert (cluster.ranks, cluster.nics_per_host, cluster.nic_bandwidth) == (512, 8, 50e9)
     assert list(cluster.nic(np.arange(8, 12))) == [8, 9, 10, 11]
+    cpu = cluster_from_dict({"preset": "cluster", "hosts": 1, "gpus_per_host": 4, "host_cores": 2,
+                             "message_host_seconds": "30 us", "free_bandwidth": "20GB/s"})
+    assert (cpu.message_host_seconds, cpu.free_bandwidth) == (pytest.approx(30e-6), 20e9)
     with pytest.raises(ValueError, match="unknown key.*gpus"):
         cluster_from_dict({"preset": "cluster", "gpus": 8})
     with pytest.raises(ValueError, match="preset: cluster"):
