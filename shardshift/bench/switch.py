@@ -74,9 +74,7 @@ own schedule is timed:
   ``move_page_faults`` below is a few pages a switch in the suite), from a contiguous and from a
   strided slice;
 - the cost of one piece end beside its bytes (`piece_cost`: the executor itself, `run_program`,
-  making many local copies of a small slice, as it does for each part it packs, unpacks or copies);
-- on CPU, the rate at which freed memory goes back to the kernel (`free_rate`), at which the
-  model books the old pieces each rank frees.
+  making many local copies of a small slice, as it does for each part it packs, unpacks or copies).
 
 The copies and the piece cost are measured by every rank at once, as the switch's ranks copy at
 once (sharing the memory and its caches), and on CPU in the processor time of the measuring
@@ -88,8 +86,8 @@ gloo's transfers. The mean over the ranks is the model's.
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
 and wrappers, which the model leaves out). The record keeps what the model was given: the
-per-message cost and its processor time, the lone pair's rate, the two copy rates, the piece
-cost and the freeing rate (``model_*``).
+per-message cost and its processor time, the lone pair's rate, the two copy rates and the piece
+cost (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -338,23 +336,6 @@ class _NoMessages:
         pass
 
 
-def free_rate(nbytes: int) -> float:
-    """Bytes per second of this process's processor time at which the CPU frees memory written
-    before: `nbytes` (at least 64 MiB, above the largest size glibc serves from its heap, so that
-    the memory is mapped for it alone) written, then released, which hands its pages back to the
-    kernel, as a switch's release of an old piece does where glibc mapped that piece on its own."""
-    nbytes = max(nbytes, 64 << 20)
-
-    def free():
-        data = torch.ones(nbytes, dtype=torch.uint8)
-        start = time.process_time()
-        data.untyped_storage().resize_(0)
-        return time.process_time() - start
-
-    free()  # an untimed one
-    return nbytes / max(min(free() for _ in range(3)), 1e-9)
-
-
 def _fastest(run, device: torch.device) -> float:
     """Seconds of the fastest of three timed calls of `run` after an untimed one: on CUDA the
     time until the device is done; on CPU the processor time of this process (its threads: torch's
@@ -374,17 +355,16 @@ def _fastest(run, device: torch.device) -> float:
     return best
 
 
-def _host_rates(nbytes: int, device: torch.device) -> tuple[float, float, float, float]:
-    """The contiguous and strided `copy_rate`, the `piece_cost` and on CPU the `free_rate` (0 on
-    CUDA: freed memory goes back to the caching allocator), measured by every rank at once (after
-    a barrier), as the switch's ranks work at once, sharing the memory, its caches and on CPU the
-    cores: the mean over the ranks, the same on every rank."""
+def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
+    """The contiguous and strided `copy_rate` and the `piece_cost`, measured by every rank at once
+    (after a barrier), as the switch's ranks copy at once, sharing the memory, its caches and on
+    CPU the cores: the mean over the ranks, the same on every rank."""
     dist.barrier()
-    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device),
-                          0.0 if device.type == "cuda" else free_rate(nbytes)], dtype=torch.float64, device=device)
+    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device)],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(rates)
     rates /= dist.get_world_size()
-    return float(rates[0]), float(rates[1]), float(rates[2]), float(rates[3])
+    return float(rates[0]), float(rates[1]), float(rates[2])
 
 
 def _cores() -> int:
@@ -399,17 +379,17 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
 
     alpha, alpha_cpu = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided, piece, freeing = _host_rates(opts.p2p_bytes, device)
+    copies, strided, piece = _copy_rates(opts.p2p_bytes, device)
     world = dist.get_world_size()
-    # On CUDA each GPU copies on its own; on CPU the ranks' copies, messages and freeing share the cores with gloo.
+    # On CUDA each GPU copies on its own; on CPU the ranks' copies and messages share the cores with gloo.
     cpu = device.type != "cuda"
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
                       strided_copy_bandwidth=strided, host_cores=_cores() if cpu else 0, piece_seconds=piece,
-                      message_host_seconds=alpha_cpu if cpu else 0.0, free_bandwidth=freeing, name="this machine")
+                      message_host_seconds=alpha_cpu if cpu else 0.0, name="this machine")
     return {"predicted_seconds": predict(schedule, machine).seconds, "model_message_seconds": alpha,
             "model_message_cpu_seconds": alpha_cpu, "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
-            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece, "model_free_bytes_per_s": freeing}
+            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece}
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:
@@ -712,14 +692,14 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
               f"{int(r['move_page_faults'])} pages first touched")
     if opts.predict:
         print("predicted on an alpha-beta model of this machine "
-              "(link rate, per-message cost, copy rates, per-piece cost, freeing rate):")
+              "(link rate, per-message cost, copy rates, per-piece cost):")
         for r in records:
             print(f"  {r['from'] + ' -> ' + r['to']:<26} predicted {r['predicted_seconds']:.3f} s; moving took "
                   f"{r['move_seconds']:.3f} s (x{r['predicted_over_move']:.2f}), the switch {r['switch_seconds']:.3f} s "
                   f"(x{r['predicted_over_switch']:.2f}); copies at {r['model_copy_bytes_per_s'] / 1e9:.1f} GB/s, "
                   f"{r['model_strided_copy_bytes_per_s'] / 1e9:.1f} strided, "
                   f"{1e6 * r['model_piece_seconds']:.1f} us a piece, {1e6 * r['model_message_cpu_seconds']:.1f} "
-                  f"core-us a message end, frees at {r['model_free_bytes_per_s'] / 1e9:.1f} GB/s")
+                  f"core-us a message end")
         within = sum(1 for r in records if 0.7 <= r["predicted_over_move"] <= 1.3)
         print(f"  within 30% of the moving: {within} of {len(records)}; geometric mean x{means['predicted_over_move']:.2f} "
               f"of the moving, x{means['predicted_over_switch']:.2f} of the switch")

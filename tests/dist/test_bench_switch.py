@@ -70,7 +70,7 @@ def test_small_chain_reports_every_column(budget):
     for r in rows:
         assert r["predicted_seconds"] > 0 and r["predicted_over_switch"] > 0
         given = ("message_seconds", "message_cpu_seconds", "pair_bytes_per_s", "copy_bytes_per_s",
-                 "strided_copy_bytes_per_s", "piece_seconds", "free_bytes_per_s")
+                 "strided_copy_bytes_per_s", "piece_seconds")
         assert min(r[f"model_{k}"] for k in given) > 0  # what the model was given
         assert 0 < r["move_seconds"] <= r["switch_seconds"] and r["predicted_over_move"] > 0
     assert rows[1]["predicted_seconds"] > rows[0]["predicted_seconds"]  # bytes on the links cost more than copies
