@@ -200,9 +200,9 @@ def _freed(schedule) -> np.ndarray:
     out = np.zeros((len(schedule.pieces), plan.world_size))
     for tensor, (_, last) in schedule.tensor_rounds.items():
         classes = plan.old_classes[tensor]
-        sizes = np.array([box.numel for box in classes.boxes] + [0], dtype=np.float64) * plan.tensors[tensor].itemsize
+        sizes = np.array([box.numel for box in classes.boxes], dtype=np.float64) * plan.tensors[tensor].itemsize
         of = class_at(classes.of_coord, plan.held)
-        out[last] += sizes[np.where(of == NOTHING, -1, of)]
+        out[last] += np.where(of == NOTHING, 0.0, sizes[np.maximum(of, 0)])
     return out
 
 
