@@ -153,8 +153,6 @@ def predict(schedule, cluster: Cluster) -> Prediction:
     freeing = _freed(schedule) if cluster.host_cores and cluster.free_bandwidth else None
     for index, pieces in enumerate(schedule.pieces):
         tally, by_flow = _Tally(n, nics), {}
-        if freeing is not None:
-            tally.freed += freeing[index]
         for piece in pieces:  # a flow's pieces in one round travel between the same processes: summed first
             nbytes = piece.box.numel * plan.tensors[piece.tensor].itemsize
             entry = by_flow.setdefault(id(piece.flow), _FlowRound(piece.flow))
@@ -173,11 +171,16 @@ def predict(schedule, cluster: Cluster) -> Prediction:
             entry.recv_copy_seconds += seconds[1]
             if piece.box == old_box == new_box:  # a whole piece kept is handed over, not copied
                 entry.handed += nbytes
+                if freeing is not None:  # its bytes live on as the new piece: freed at its run's end, never written
+                    kept = piece.flow.dst[piece.flow.src == piece.flow.dst]
+                    np.add.at(freeing[schedule.tensor_rounds[piece.tensor][1]], kept, -nbytes)
             else:
                 slowest = cluster.copy_bandwidth if at_source and at_target else cluster.strided_copy_bandwidth
                 entry.local_copy_seconds += nbytes / slowest
         for entry in by_flow.values():
             tally.add(entry, cluster)
+        if freeing is not None:
+            tally.freed += freeing[index]
         rounds.append(tally.seconds(cluster))
         totals.merge(tally)
     per_gpu_in = totals.intra_in / cluster.intra_bandwidth
@@ -237,7 +240,7 @@ class _Tally:
         self.intra_in, self.intra_out = np.zeros(n), np.zeros(n)
         self.copied, self.copying = np.zeros(n), np.zeros(n)  # bytes of local pieces; seconds of every copy
         self.messages, self.remote_messages = np.zeros(n), np.zeros(n)  # ends of messages, by where the peer is
-        self.freed = np.zeros(n)  # bytes of old pieces freed
+        self.freed = np.zeros(n)  # bytes of old pieces freed (with `Cluster.free_bandwidth`: `predict` fills it)
         self.nic_in, self.nic_out = np.zeros(nics), np.zeros(nics)
         self.packed: list[np.ndarray] = []  # pairs (src * n + dst) of small segments, packed one message a pair
 
@@ -245,7 +248,6 @@ class _Tally:
         flow, nbytes, direct = entry.flow, entry.nbytes, entry.direct
         local = flow.src == flow.dst
         np.add.at(self.copied, flow.dst[local], nbytes - entry.handed)
-        np.add.at(self.freed, flow.dst[local], -entry.handed)  # live on as the new piece: it frees bytes never written
         handling = entry.pieces * cluster.piece_seconds
         np.add.at(self.copying, flow.dst[local], entry.local_copy_seconds + handling)
         src, dst = flow.src[~local], flow.dst[~local]
@@ -266,8 +268,7 @@ class _Tally:
         np.add.at(self.remote_messages, np.concatenate([src[~same], dst[~same]]), times)
 
     def merge(self, other: "_Tally") -> None:
-        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "freed", "nic_in",
-                     "nic_out"):
+        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "nic_in", "nic_out"):
             getattr(self, name)[...] += getattr(other, name)
 
     def seconds(self, cluster: Cluster) -> float:
@@ -286,5 +287,5 @@ class _Tally:
             work = self.copying + (self.messages + self.remote_messages) * cluster.message_host_seconds
             if cluster.free_bandwidth:
                 work = work + self.freed / cluster.free_bandwidth
-            switch = switch + np.bincount(hosts, weights=work, minlength=cluster.hosts) / cluster.host_cores
+            switch = switch + np.bincount(hosts, weights=work) / cluster.host_cores
         return float(max(gpu.max(initial=0), nic.max(initial=0), switch.max(initial=0)))

@@ -183,6 +183,9 @@ def test_a_cpu_host_books_each_message_end_and_the_freeing_of_old_pieces_on_its_
     for cluster in (messages, freeing):
         gpus = dataclasses.replace(cluster, host_cores=0)
         assert simulate_switch(space, Layout(dp=4), Layout(fsdp=4), gpus, budget=1 << 40).prediction.seconds < 1e-9
+    # A cluster with more hosts than the job fills (8 ranks on 2 of its 3 hosts) books them alike.
+    roomy = dataclasses.replace(freeing, hosts=3, message_host_seconds=1e-3)
+    assert simulate_switch(space, Layout(fsdp=8), Layout(dp=2, fsdp=4), roomy, budget=1 << 40).prediction.seconds > 0
     for field in ("message_host_seconds", "free_bandwidth"):
         with pytest.raises(ValueError, match=field):
             Cluster(**{field: -1.0})
