@@ -119,12 +119,13 @@ def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; a cluster takes {', '.join(sorted(known - {'preset'}))}")
     values = {k: v for k, v in data.items() if k not in _TOPOLOGY_ONLY and k != "preset"}
-    for key in (*_RATES, "free_bandwidth"):
+    parsers = {**dict.fromkeys((*_RATES, "free_bandwidth"), parse_rate), **dict.fromkeys(_TIMES, parse_duration)}
+    for key, parse in parsers.items():
         if key in values:
-            values[key] = parse_rate(values[key])
-    for key in _TIMES:
-        if key in values:
-            values[key] = parse_duration(values[key])
+            try:
+                values[key] = parse(values[key])
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
     values.setdefault("name", name)
     return Cluster(**values)
 

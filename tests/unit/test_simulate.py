@@ -198,6 +198,8 @@ def test_the_shipped_cluster_file_reads_as_the_topology_preset():
     cpu = cluster_from_dict({"preset": "cluster", "hosts": 1, "gpus_per_host": 4, "host_cores": 2,
                              "message_host_seconds": "30 us", "free_bandwidth": "20GB/s"})
     assert (cpu.message_host_seconds, cpu.free_bandwidth) == (pytest.approx(30e-6), 20e9)
+    with pytest.raises(ValueError, match="message_host_seconds: cannot read duration 'fast'"):
+        cluster_from_dict({"preset": "cluster", "hosts": 1, "message_host_seconds": "fast"})
     with pytest.raises(ValueError, match="unknown key.*gpus"):
         cluster_from_dict({"preset": "cluster", "gpus": 8})
     with pytest.raises(ValueError, match="preset: cluster"):
