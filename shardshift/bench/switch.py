@@ -65,8 +65,9 @@ an α–β model of this machine (`simulate.cluster`: one host of `nproc` GPUs) 
 own schedule is timed:
 
 - a rank's port: one pair's rate when it exchanges alone (ranks 0 and 1, both ways), as when the
-  machine is not shared; the link rate of step 1 times the ranks is what the machine moves at
-  most (the host's bandwidth);
+  machine is not shared (on CPU its bytes in and out together, both ends of a transfer being a
+  rank's processor work: one rank sending to three takes as long as a pair exchanging); the link
+  rate of step 1 times the ranks is what the machine moves at most (the host's bandwidth);
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages,
   in time and (on CPU) in processor time, the transport's threads included, which the model books
   on the cores beside the copies;
@@ -383,7 +384,8 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     world = dist.get_world_size()
     # On CUDA each GPU copies on its own; on CPU the ranks' copies and messages share the cores with gloo.
     cpu = device.type != "cuda"
-    machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=alone, host_bandwidth=world * rate,
+    port = 2 * alone if cpu else alone  # a CPU host's rank passes its bytes in and out together
+    machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=port, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
                       strided_copy_bandwidth=strided, host_cores=_cores() if cpu else 0, piece_seconds=piece,
                       message_host_seconds=alpha_cpu if cpu else 0.0, name="this machine")

@@ -20,7 +20,11 @@ a CPU host, where gloo moves bytes with the cores that copy), the host's time is
 ÷ `host_bandwidth` plus, ÷ its cores, the seconds of every copy its ranks make, the processor
 time of every message end (`message_host_seconds`: posting it, the transport's handling beside
 its bytes) and of freeing the old pieces each rank ends in the round at `free_bandwidth` (pages
-handed back to the kernel; a piece kept whole frees nothing it wrote; 0: not booked). The copies are the
+handed back to the kernel; a piece kept whole frees nothing it wrote; 0: not booked). There a
+rank's process also handles both ends of its transfers with those cores, so its port passes its
+bytes in and out together at `intra_bandwidth` (a rank sending to three peers takes as long as
+one sending and receiving the same bytes), where a GPU's port moves them each way at that rate
+at once. The copies are the
 executor's (`reshard.execute`): every local piece once, but none for a whole piece kept (new box =
 old box: its memory is handed over); a moved piece once at the sender unless it travels alone from a contiguous slice of the old
 piece, and once at the receiver unless it travels alone into a contiguous slice of the new piece
@@ -48,7 +52,7 @@ _TOPOLOGY_ONLY = ("hosts_per_leaf", "spines", "rails")  # shape the fabric, whic
 class Cluster:
     hosts: int = 1
     gpus_per_host: int = 8
-    intra_bandwidth: float = 450e9  # bytes/s each way per GPU (NVLink class)
+    intra_bandwidth: float = 450e9  # bytes/s each way per GPU (NVLink class); with host_cores: in and out together
     host_bandwidth: float = 0.0  # bytes/s moved inside a host by all its GPUs at once (0: gpus x intra_bandwidth)
     intra_latency: float = 2e-6
     nics_per_host: int = 8
@@ -278,7 +282,9 @@ class _Tally:
             src, dst = pairs // self.n, pairs % self.n
             self._count(src, dst, cluster.host(src) == cluster.host(dst))
             self.packed = []
-        gpu = (np.maximum(self.intra_in, self.intra_out) / cluster.intra_bandwidth
+        # A GPU's port moves bytes each way at once; a CPU host's rank handles both ends on its cores.
+        port = self.intra_in + self.intra_out if cluster.host_cores else np.maximum(self.intra_in, self.intra_out)
+        gpu = (port / cluster.intra_bandwidth
                + self.messages * cluster.intra_latency + self.remote_messages * cluster.latency
                + self.copying)
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth

@@ -103,6 +103,21 @@ def test_a_host_moves_at_most_its_own_bandwidth():
     assert times[1].limit_seconds == pytest.approx(times[1].seconds, rel=0.01)
 
 
+def test_a_cpu_host_s_rank_passes_its_bytes_in_and_out_together():
+    # fsdp=4 -> dp=4: every rank sends its quarter to three peers and takes three quarters in. A
+    # GPU's port moves both at once (3 quarters' time); a CPU rank's process handles both ends on
+    # the cores (6 quarters' time at the same rate), the host's cores and links set free here.
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    gpus = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, intra_latency=0.0, copy_bandwidth=1e18)
+    cpu = dataclasses.replace(gpus, host_cores=1 << 20)
+    sims = [simulate_switch(space, Layout(fsdp=4), Layout(dp=4), c, budget=1 << 40) for c in (gpus, cpu)]
+    quarter = sims[0].plan.received[0] // 3
+    assert len(sims[0].schedule.pieces) == 1
+    assert sims[0].prediction.seconds == pytest.approx(3 * quarter / 4e9, rel=0.01)
+    assert sims[1].prediction.seconds == pytest.approx(6 * quarter / 4e9, rel=0.01)
+
+
 def test_copies_take_turns_on_a_cpu_host_s_cores_and_a_whole_piece_kept_costs_none():
     # dp=4 -> fsdp=4 only copies: each rank a quarter of its replica. On 2 cores shared by 4 ranks
     # the copies take twice as long as on 4 GPUs copying apart; fsdp=2,tp=2 -> itself keeps
