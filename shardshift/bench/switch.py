@@ -116,6 +116,7 @@ import gc
 import hashlib
 import json
 import math
+import mmap
 import os
 import shutil
 import statistics
@@ -327,6 +328,48 @@ def piece_cost(device: torch.device, pieces: int = 2000) -> float:
     return _fastest(lambda: run_program(program, source, sink, transport, Deadline.after(60), device), device) / pieces
 
 
+def page_rates(nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """On CPU, bytes per second of processor time (this process's) that the kernel takes (1) to
+    map and zero fresh pages as a copy first writes them, beyond the copy itself, and (2) to take
+    written pages back when their mapping is released: the fastest of `repeats` for a mapping of
+    `nbytes` of its own (`mmap`, as glibc maps a large block), copied into twice (the first copy
+    faults every page in; the second, into the same pages, is the copy alone) and then closed."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    fresh = unmap = float("inf")
+    for _ in range(repeats):
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc maps: not shared
+        dst = torch.frombuffer(mapping, dtype=torch.uint8)
+        times = []
+        for _ in range(2):
+            start = time.process_time()
+            dst.copy_(src)
+            times.append(time.process_time() - start)
+        del dst
+        start = time.process_time()
+        mapping.close()
+        unmap = min(unmap, time.process_time() - start)
+        fresh = min(fresh, max(times[0] - times[1], 1e-9))
+    return nbytes / fresh, nbytes / max(unmap, 1e-9)
+
+
+def heap_state() -> tuple[float, float] | None:
+    """(bytes glibc's allocator holds free in its heaps, the share of the bytes in use that it
+    mapped apart) for this process, from ``mallinfo2``; None where glibc is not the allocator."""
+    name = ctypes.util.find_library("c")
+    mallinfo2 = getattr(ctypes.CDLL(name), "mallinfo2", None) if name else None
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    live = info.hblkhd + info.uordblks
+    return float(info.fordblks), info.hblkhd / live if live else 1.0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 class _NoMessages:
     """A posted round with no message (`piece_cost`'s program sends nothing)."""
 
@@ -356,16 +399,32 @@ def _fastest(run, device: torch.device) -> float:
     return best
 
 
-def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, float, float]:
-    """The contiguous and strided `copy_rate` and the `piece_cost`, measured by every rank at once
-    (after a barrier), as the switch's ranks copy at once, sharing the memory, its caches and on
-    CPU the cores: the mean over the ranks, the same on every rank."""
+def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, ...]:
+    """The contiguous and strided `copy_rate`, the `piece_cost` and on CPU the two `page_rates`
+    (else 0), measured by every rank at once (after a barrier), as the switch's ranks copy at once,
+    sharing the memory, its caches and on CPU the cores: the mean over the ranks, the same on
+    every rank."""
     dist.barrier()
-    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device)],
-                         dtype=torch.float64, device=device)
+    pages = page_rates(nbytes) if device.type == "cpu" else (0.0, 0.0)
+    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device),
+                          *pages], dtype=torch.float64, device=device)
     dist.all_reduce(rates)
     rates /= dist.get_world_size()
-    return float(rates[0]), float(rates[1]), float(rates[2])
+    return tuple(float(rate) for rate in rates)
+
+
+def _host_memory(device: torch.device):
+    """Every rank's `heap_state` (`simulate.cluster.HostMemory`), or None where a rank's allocator
+    is not glibc or the ranks copy on GPUs."""
+    from shardshift.simulate.cluster import HostMemory
+
+    state = heap_state() if device.type == "cpu" else None
+    figures = torch.tensor([*(state or (0.0, 0.0)), state is not None], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, figures)
+    if not all(bool(f[2]) for f in every):
+        return None
+    return HostMemory(tuple(float(f[0]) for f in every), tuple(float(f[1]) for f in every))
 
 
 def _cores() -> int:
@@ -378,20 +437,29 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     docstring): ``predicted_seconds`` and the model's measured inputs (``model_*``)."""
     from shardshift.simulate.cluster import Cluster, predict
 
+    memory = _host_memory(device)  # before the measurements below allocate and free
     alpha, alpha_cpu = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided, piece = _copy_rates(opts.p2p_bytes, device)
+    copies, strided, piece, fresh, unmap = _copy_rates(opts.p2p_bytes, device)
     world = dist.get_world_size()
     # On CUDA each GPU copies on its own; on CPU the ranks' copies and messages share the cores with gloo.
     cpu = device.type != "cuda"
     port = 2 * alone if cpu else alone  # a CPU host's rank passes its bytes in and out together
+    pages = memory is not None  # the kernel's work on pages, booked where the allocators' state is known
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=port, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
                       strided_copy_bandwidth=strided, host_cores=_cores() if cpu else 0, piece_seconds=piece,
-                      message_host_seconds=alpha_cpu if cpu else 0.0, name="this machine")
-    return {"predicted_seconds": predict(schedule, machine).seconds, "model_message_seconds": alpha,
+                      message_host_seconds=alpha_cpu if cpu else 0.0, free_bandwidth=unmap if pages else 0.0,
+                      fresh_page_bandwidth=fresh if pages else 0.0, name="this machine")
+    prediction = predict(schedule, machine, memory)
+    return {"predicted_seconds": prediction.seconds, "model_message_seconds": alpha,
             "model_message_cpu_seconds": alpha_cpu, "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
-            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece}
+            "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece,
+            "model_fresh_page_bytes_per_s": fresh if pages else None, "model_free_bytes_per_s": unmap if pages else None,
+            "model_heap_free_bytes": list(memory.free_bytes) if pages else None,
+            "model_mapped_share": list(memory.mapped_share) if pages else None,
+            "predicted_fresh_bytes": prediction.fresh_bytes if pages else None,
+            "predicted_unmapped_bytes": prediction.unmapped_bytes if pages else None}
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:

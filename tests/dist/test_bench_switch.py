@@ -72,5 +72,10 @@ def test_small_chain_reports_every_column(budget):
         given = ("message_seconds", "message_cpu_seconds", "pair_bytes_per_s", "copy_bytes_per_s",
                  "strided_copy_bytes_per_s", "piece_seconds")
         assert min(r[f"model_{k}"] for k in given) > 0  # what the model was given
+        # On CPU with glibc, the kernel's work on pages: its rates, and every rank's allocator as the switch starts.
+        assert r["model_fresh_page_bytes_per_s"] > 0 and r["model_free_bytes_per_s"] > 0
+        assert len(r["model_heap_free_bytes"]) == 2 and min(r["model_heap_free_bytes"]) >= 0
+        assert len(r["model_mapped_share"]) == 2 and all(0 <= s <= 1 for s in r["model_mapped_share"])
+        assert r["predicted_fresh_bytes"] >= 0 and r["predicted_unmapped_bytes"] >= 0
         assert 0 < r["move_seconds"] <= r["switch_seconds"] and r["predicted_over_move"] > 0
     assert rows[1]["predicted_seconds"] > rows[0]["predicted_seconds"]  # bytes on the links cost more than copies
