@@ -75,11 +75,18 @@ own schedule is timed:
   ``move_page_faults`` below is a few pages a switch in the suite), from a contiguous and from a
   strided slice;
 - the cost of one piece end beside its bytes (`piece_cost`: the executor itself, `run_program`,
-  making many local copies of a small slice, as it does for each part it packs, unpacks or copies).
+  making many local copies of a small slice, as it does for each part it packs, unpacks or copies);
+- on CPU, the kernel's work on pages (`page_rates`): mapping and zeroing fresh pages as a copy
+  first writes them, beyond the copy, and taking written pages back when a mapping is released;
+  and, where glibc is the allocator, what each rank's allocator holds as the switch starts
+  (`heap_state`: its free heap bytes, and the share of its live bytes it mapped apart), from which
+  the model replays where each new piece lands and what each freed one hands back
+  (`simulate.cluster.HostMemory`; ``predicted_fresh_bytes`` is to be read beside
+  ``move_page_faults`` × the page size).
 
-The copies and the piece cost are measured by every rank at once, as the switch's ranks copy at
-once (sharing the memory and its caches), and on CPU in the processor time of the measuring
-process, so that four ranks on two cores are not charged for waiting for a core: the model gives
+The copies, the piece cost and the page rates are measured by every rank at once, as the
+switch's ranks copy at once (sharing the memory and its caches), and on CPU in the processor time
+of the measuring process, so that four ranks on two cores are not charged for waiting for a core: the model gives
 every rank's copies to the host's cores (`Cluster.host_cores`), where they take turns with
 gloo's transfers. The mean over the ranks is the model's.
 
@@ -88,7 +95,7 @@ schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
 and wrappers, which the model leaves out). The record keeps what the model was given: the
 per-message cost and its processor time, the lone pair's rate, the two copy rates and the piece
-cost (``model_*``).
+cost, the two page rates, and every rank's free heap bytes and mapped-apart share (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch

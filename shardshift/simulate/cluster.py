@@ -19,8 +19,12 @@ dispatch; 0 by default). On a host whose processors both copy and move the bytes
 a CPU host, where gloo moves bytes with the cores that copy), the host's time is its bytes moved
 ÷ `host_bandwidth` plus, ÷ its cores, the seconds of every copy its ranks make, the processor
 time of every message end (`message_host_seconds`: posting it, the transport's handling beside
-its bytes) and of freeing the old pieces each rank ends in the round at `free_bandwidth` (pages
-handed back to the kernel; a piece kept whole frees nothing it wrote; 0: not booked). There a
+its bytes), and the kernel's work on pages: the new pieces each rank opens in the round, beyond
+the free memory its allocator holds (`HostMemory`), written on fresh pages the kernel maps and
+zeroes at `fresh_page_bandwidth`, and the old pieces it ends in the round, at `free_bandwidth`,
+for the share its allocator had mapped apart (pages handed back to the kernel; the rest is room
+for later pieces); a piece kept whole is neither (0: not booked; no `HostMemory`: no room, all
+mapped apart). There a
 rank's process also handles both ends of its transfers with those cores, so its port passes its
 bytes in and out together at `intra_bandwidth` (a rank sending to three peers takes as long as
 one sending and receiving the same bytes), where a GPU's port moves them each way at that rate

@@ -19,7 +19,7 @@ from shardshift.layout import Layout
 from shardshift.reshard.execute import compile_program
 from shardshift.reshard.plan import Assignment, plan_transition
 from shardshift.reshard.schedule import build_schedule
-from shardshift.simulate.cluster import Cluster, cluster_from_dict, load_cluster
+from shardshift.simulate.cluster import Cluster, HostMemory, cluster_from_dict, load_cluster, predict
 from shardshift.simulate.space import SpecSpace
 from shardshift.simulate.specs import ModelSpec
 from shardshift.simulate.switch import model_space, simulate_switch
@@ -206,13 +206,71 @@ def test_a_cpu_host_books_each_message_end_and_the_freeing_of_old_pieces_on_its_
             Cluster(**{field: -1.0})
 
 
+def _allocator_replay(schedule, rank: int, room: float, share: float) -> tuple[float, float]:
+    """(fresh, unmapped) bytes of `rank`, from the executor's own program of the switch: its new
+    pieces opened and old pieces closed round by round, but those it keeps whole (handed over)."""
+    program = compile_program(schedule, rank)
+    kept = {c.tensor for step in program.rounds for c in step.copies if c.whole}
+    fresh = unmapped = 0.0
+    for step in program.rounds:
+        opened = sum(nbytes for t, nbytes, _ in step.opens if t not in kept)
+        freed = sum(nbytes for t, nbytes in step.closes if t not in kept)
+        fresh += max(opened - room, 0.0)
+        unmapped += freed * share
+        room = max(room - opened, 0.0) + freed * (1 - share)
+    return fresh, unmapped
+
+
+def test_a_cpu_host_writes_new_pieces_on_fresh_pages_beyond_the_room_its_allocator_holds():
+    # Links, copies and messages free: what is left is the kernel's work on pages, on the host's
+    # two cores. Each rank's allocator starts with some free memory; a new piece takes it while
+    # it lasts and fresh pages beyond; old pieces freed go back to the kernel at the mapped-apart
+    # share, the rest is room for the next rounds' pieces. Expected from the executor's programs.
+    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=64))
+    free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18, host_cores=2)
+    pages = dataclasses.replace(free, fresh_page_bandwidth=1e6, free_bandwidth=4e6)
+    sim = simulate_switch(space, Layout(fsdp=2, tp=2), Layout(dp=2, fsdp=2), free, budget=8 << 10)
+    assert len(sim.schedule.pieces) > 3  # rounds enough for what one frees to be room for the next
+    new_bytes = [sim.plan.held_bytes(sim.plan.new_boxes, r) for r in range(4)]
+    for room, share in ((0.0, 1.0), (new_bytes[0] / 3, 0.0), (new_bytes[0] / 3, 0.5), (10 * max(new_bytes), 0.5)):
+        memory = HostMemory(room, share)
+        expected = np.array([_allocator_replay(sim.schedule, r, room, share) for r in range(4)])
+        prediction = predict(sim.schedule, pages, memory)
+        assert prediction.fresh_bytes == pytest.approx(expected[:, 0].sum(), abs=4)
+        assert prediction.unmapped_bytes == pytest.approx(expected[:, 1].sum(), abs=4)
+        # One host: every round's work on pages, all ranks', takes turns on its two cores.
+        work = (expected[:, 0] / 1e6 + expected[:, 1] / 4e6).sum() / 2
+        assert work > 0 and prediction.seconds == pytest.approx(work, rel=1e-6)
+    # Not vacuous: room that lasts saves fresh pages, and what the first rounds free (share 0) is reused.
+    none, some = (predict(sim.schedule, pages, HostMemory(room, 0.0)).fresh_bytes for room in (0.0, new_bytes[0] / 3))
+    assert 0 < some < none < sum(new_bytes)
+    # Per process, in rank order: only rank 2 has room.
+    lopsided = predict(sim.schedule, pages, HostMemory((0.0, 0.0, 10.0 * max(new_bytes), 0.0), 1.0))
+    expected = sum(_allocator_replay(sim.schedule, r, 10.0 * max(new_bytes) if r == 2 else 0.0, 1.0)[0] for r in range(4))
+    nothing = predict(sim.schedule, pages, HostMemory(0.0, 1.0)).fresh_bytes
+    assert lopsided.fresh_bytes == pytest.approx(expected, abs=4) and lopsided.fresh_bytes < nothing
+    # Without the two rates, or on GPUs (their caching allocator keeps its memory), no page is booked.
+    for cluster in (free, dataclasses.replace(pages, host_cores=0)):
+        prediction = predict(sim.schedule, cluster, HostMemory())
+        assert prediction.seconds < 1e-9 and prediction.fresh_bytes == prediction.unmapped_bytes == 0
+    with pytest.raises(ValueError, match="fresh_page_bandwidth"):
+        Cluster(fresh_page_bandwidth=-1.0)
+    for bad, match in (({"free_bytes": -1.0}, "free_bytes"), ({"mapped_share": 1.5}, "mapped_share")):
+        with pytest.raises(ValueError, match=match):
+            HostMemory(**bad)
+    with pytest.raises(ValueError, match="2 figures for a switch of 4 processes"):
+        predict(sim.schedule, pages, HostMemory((0.0, 0.0), 1.0))
+
+
 def test_the_shipped_cluster_file_reads_as_the_topology_preset():
     cluster = load_cluster(ROOT / "docs/topologies/cluster-dynatrain.yaml")
     assert (cluster.ranks, cluster.nics_per_host, cluster.nic_bandwidth) == (512, 8, 50e9)
     assert list(cluster.nic(np.arange(8, 12))) == [8, 9, 10, 11]
     cpu = cluster_from_dict({"preset": "cluster", "hosts": 1, "gpus_per_host": 4, "host_cores": 2,
-                             "message_host_seconds": "30 us", "free_bandwidth": "20GB/s"})
-    assert (cpu.message_host_seconds, cpu.free_bandwidth) == (pytest.approx(30e-6), 20e9)
+                             "message_host_seconds": "30 us", "free_bandwidth": "20GB/s",
+                             "fresh_page_bandwidth": "3GB/s"})
+    assert (cpu.message_host_seconds, cpu.free_bandwidth, cpu.fresh_page_bandwidth) == (pytest.approx(30e-6), 20e9, 3e9)
     with pytest.raises(ValueError, match="message_host_seconds: cannot read duration 'fast'"):
         cluster_from_dict({"preset": "cluster", "hosts": 1, "message_host_seconds": "fast"})
     with pytest.raises(ValueError, match="unknown key.*gpus"):
