@@ -338,11 +338,12 @@ def piece_cost(device: torch.device, pieces: int = 2000) -> float:
 def page_rates(nbytes: int, repeats: int = 3) -> tuple[float, float]:
     """On CPU, bytes per second of processor time (this process's) that the kernel takes (1) to
     map and zero fresh pages as a copy first writes them, beyond the copy itself, and (2) to take
-    written pages back when their mapping is released: the fastest of `repeats` for a mapping of
-    `nbytes` of its own (`mmap`, as glibc maps a large block), copied into twice (the first copy
-    faults every page in; the second, into the same pages, is the copy alone) and then closed."""
+    written pages back when their mapping is released, over `repeats` mappings of `nbytes` of
+    their own (`mmap`, as glibc maps a large block), each copied into twice (the first copy faults
+    every page in; the second, into the same pages, is the copy alone) and then closed: the
+    fastest first copy less the fastest second, and the fastest close."""
     src = torch.ones(nbytes, dtype=torch.uint8)
-    fresh = unmap = float("inf")
+    first = again = unmap = float("inf")  # the fastest of each: a difference of single noisy pairs can be 0
     for _ in range(repeats):
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc maps: not shared
         dst = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -355,8 +356,8 @@ def page_rates(nbytes: int, repeats: int = 3) -> tuple[float, float]:
         start = time.process_time()
         mapping.close()
         unmap = min(unmap, time.process_time() - start)
-        fresh = min(fresh, max(times[0] - times[1], 1e-9))
-    return nbytes / fresh, nbytes / max(unmap, 1e-9)
+        first, again = min(first, times[0]), min(again, times[1])
+    return nbytes / max(first - again, 1e-9), nbytes / max(unmap, 1e-9)
 
 
 def heap_state() -> tuple[float, float] | None:
