@@ -129,7 +129,8 @@ def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; a cluster takes {', '.join(sorted(known - {'preset'}))}")
     values = {k: v for k, v in data.items() if k not in _TOPOLOGY_ONLY and k != "preset"}
-    parsers = {**dict.fromkeys((*_RATES, "free_bandwidth", "fresh_page_bandwidth"), parse_rate), **dict.fromkeys(_TIMES, parse_duration)}
+    parsers = {**dict.fromkeys((*_RATES, "free_bandwidth", "fresh_page_bandwidth"), parse_rate),
+               **dict.fromkeys(_TIMES, parse_duration)}
     for key, parse in parsers.items():
         if key in values:
             try:

@@ -246,8 +246,9 @@ def test_a_cpu_host_writes_new_pieces_on_fresh_pages_beyond_the_room_its_allocat
     none, some = (predict(sim.schedule, pages, HostMemory(room, 0.0)).fresh_bytes for room in (0.0, new_bytes[0] / 3))
     assert 0 < some < none < sum(new_bytes)
     # Per process, in rank order: only rank 2 has room.
-    lopsided = predict(sim.schedule, pages, HostMemory((0.0, 0.0, 10.0 * max(new_bytes), 0.0), 1.0))
-    expected = sum(_allocator_replay(sim.schedule, r, 10.0 * max(new_bytes) if r == 2 else 0.0, 1.0)[0] for r in range(4))
+    roomy = 10.0 * max(new_bytes)
+    lopsided = predict(sim.schedule, pages, HostMemory((0.0, 0.0, roomy, 0.0), 1.0))
+    expected = sum(_allocator_replay(sim.schedule, r, roomy if r == 2 else 0.0, 1.0)[0] for r in range(4))
     nothing = predict(sim.schedule, pages, HostMemory(0.0, 1.0)).fresh_bytes
     assert lopsided.fresh_bytes == pytest.approx(expected, abs=4) and lopsided.fresh_bytes < nothing
     # Without the two rates, or on GPUs (their caching allocator keeps its memory), no page is booked.
