@@ -24,16 +24,16 @@ the free memory its allocator holds (`HostMemory`), written on fresh pages the k
 zeroes at `fresh_page_bandwidth`, and the old pieces it ends in the round, at `free_bandwidth`,
 for the share its allocator had mapped apart (pages handed back to the kernel; the rest is room
 for later pieces); a piece kept whole is neither (0: not booked; no `HostMemory`: no room, all
-mapped apart). There a
-rank's process also handles both ends of its transfers with those cores, so its port passes its
-bytes in and out together at `intra_bandwidth` (a rank sending to three peers takes as long as
-one sending and receiving the same bytes), where a GPU's port moves them each way at that rate
-at once. The copies are the
-executor's (`reshard.execute`): every local piece once, but none for a whole piece kept (new box =
-old box: its memory is handed over); a moved piece once at the sender unless it travels alone from a contiguous slice of the old
-piece, and once at the receiver unless it travels alone into a contiguous slice of the new piece
-(small pieces are packed into one message per pair, copied in and out). Rounds run one after
-another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
+mapped apart). The kernel does a rank's work on pages in the rank's own thread, so it also adds
+to that rank's busy time, as its copies do. There a rank's process also handles both ends of its
+transfers with those cores, so its port passes its bytes in and out together at
+`intra_bandwidth` (a rank sending to three peers takes as long as one sending and receiving the
+same bytes), where a GPU's port moves them each way at that rate at once. The copies are the
+executor's (`reshard.execute`): every local piece once, but none for a whole piece kept (new box
+= old box: its memory is handed over); a moved piece once at the sender unless it travels alone
+from a contiguous slice of the old piece, and once at the receiver unless it travels alone into
+a contiguous slice of the new piece (small pieces are packed into one message per pair, copied
+in and out). Rounds run one after another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
 """
 
 from __future__ import annotations
@@ -356,11 +356,13 @@ class _Tally:
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
         hosts = cluster.host(np.arange(self.n))
         switch = np.bincount(hosts, weights=self.intra_in) / cluster.host_bandwidth
-        if cluster.host_cores:  # copies, messages and freeing take turns with the transfers on the host's cores
-            work = self.copying + (self.messages + self.remote_messages) * cluster.message_host_seconds
+        if cluster.host_cores:  # copies, messages and pages take turns with the transfers on the host's cores
+            pages = np.zeros(self.n)
             if cluster.free_bandwidth:
-                work = work + self.freed / cluster.free_bandwidth
+                pages += self.freed / cluster.free_bandwidth
             if cluster.fresh_page_bandwidth:
-                work = work + self.fresh / cluster.fresh_page_bandwidth
+                pages += self.fresh / cluster.fresh_page_bandwidth
+            gpu = gpu + pages  # the kernel works in the rank's own thread, as its copies do
+            work = self.copying + pages + (self.messages + self.remote_messages) * cluster.message_host_seconds
             switch = switch + np.bincount(hosts, weights=work) / cluster.host_cores
         return float(max(gpu.max(initial=0), nic.max(initial=0), switch.max(initial=0)))

@@ -251,6 +251,11 @@ def test_a_cpu_host_writes_new_pieces_on_fresh_pages_beyond_the_room_its_allocat
     expected = sum(_allocator_replay(sim.schedule, r, roomy if r == 2 else 0.0, 1.0)[0] for r in range(4))
     nothing = predict(sim.schedule, pages, HostMemory(0.0, 1.0)).fresh_bytes
     assert lopsided.fresh_bytes == pytest.approx(expected, abs=4) and lopsided.fresh_bytes < nothing
+    # A rank alone with pages to work on does it in its own thread: one core, not two.
+    alone = predict(sim.schedule, pages, HostMemory((0.0, roomy, roomy, roomy), (1.0, 0.0, 0.0, 0.0)))
+    fresh, unmapped = _allocator_replay(sim.schedule, 0, 0.0, 1.0)
+    assert alone.fresh_bytes == pytest.approx(fresh, abs=4) and alone.unmapped_bytes == pytest.approx(unmapped, abs=4)
+    assert alone.seconds == pytest.approx(fresh / 1e6 + unmapped / 4e6, rel=1e-6)
     # Without the two rates, or on GPUs (their caching allocator keeps its memory), no page is booked.
     for cluster in (free, dataclasses.replace(pages, host_cores=0)):
         prediction = predict(sim.schedule, cluster, HostMemory())
