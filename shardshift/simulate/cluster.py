@@ -33,7 +33,8 @@ executor's (`reshard.execute`): every local piece once, but none for a whole pie
 = old box: its memory is handed over); a moved piece once at the sender unless it travels alone
 from a contiguous slice of the old piece, and once at the receiver unless it travels alone into
 a contiguous slice of the new piece (small pieces are packed into one message per pair, copied
-in and out). Rounds run one after another. What the model leaves out is said in docs/switching.md ("Predicting a switch").
+in and out). Rounds run one after another. What the model leaves out is said in
+docs/switching.md ("Predicting a switch").
 """
 
 from __future__ import annotations
