@@ -12,7 +12,7 @@ L0 first, so AdamW state exists. For each transition A → B, at a step boundary
    ``irecv`` of as much from every other rank, on the job's default group, then waits on all: the
    concurrent all-pairs pattern a switch round uses. The rate is the bytes one rank receives
    ((n-1) × `p2p_bytes`) ÷ the slowest rank's time; the best of `p2p_reps` timed runs after one
-   warm-up.
+   warm-up (the limit's), and their median (the model's, with ``predict``).
 2. **DCP save** (``dcp_save_seconds``): `checkpoint.write` of the trainer under A (PyTorch's
    ``dcp.save``) into a temporary directory on local disk, barrier to barrier. Then
    `checkpoint.publish` makes it a checkpoint the restart can resume from (the manifest's CRC-32s,
@@ -90,11 +90,17 @@ of the measuring process, so that four ranks on two cores are not charged for wa
 every rank's copies to the host's cores (`Cluster.host_cores`), where they take turns with
 gloo's transfers. The mean over the ranks is the model's.
 
+Every figure the model is given is the median of its timed runs (the link rate too: the model's
+host bandwidth is the median run's, where the limit keeps the best), except the page rates (a
+difference of two copies, of which single noisy pairs can give 0: the fastest of each). The model
+predicts a typical switch, and it is compared with the median of the repeats; inputs taken at
+their best would make every term optimistic at once.
+
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
 and wrappers, which the model leaves out). The record keeps what the model was given: the
-per-message cost and its processor time, the lone pair's rate, the two copy rates and the piece
+link rate (``model_link_bytes_per_s``), the per-message cost and its processor time, the lone pair's rate, the two copy rates and the piece
 cost, the two page rates, and every rank's free heap bytes and mapped-apart share (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
@@ -167,7 +173,7 @@ class SwitchBenchOptions:
     budget: int  # bytes per switch round (see reshard/schedule.py)
     repeat: int = 3  # measurements of each transition, switching back between them
     p2p_bytes: int  # message size of the link-rate measurement, per ordered pair
-    p2p_reps: int = 3  # timed runs of the link-rate measurement (the best is kept)
+    p2p_reps: int = 3  # timed runs of each measurement (the link rate's best is the limit's; the model takes medians)
     restart: bool = True  # measure the checkpoint-and-restart column
     predict: bool = False  # also time each switch's schedule on an alpha-beta model of this machine
     timeout_s: float = 600.0  # the run's collective timeout; the restart job gets 90% of it
@@ -218,19 +224,21 @@ def _timed(fn, device: torch.device):
 class LinkRate:
     """What the job's links give when every ordered pair of ranks exchanges at once (`link_rate`)."""
 
-    bytes_per_s: float  # that one rank receives, in the best run
+    bytes_per_s: float  # that one rank receives, in the best run: what the links give at most (the limit's)
+    typical_bytes_per_s: float  # the same in the median run: what a switch's transfers meet (the model's)
     cpu_seconds_per_byte: float  # processor time of all ranks' processes per byte moved, over the timed runs
 
 
 def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> LinkRate:
     """Every ordered pair exchanges `nbytes` at once, `reps` times after a warm-up: the bytes per
-    second one rank receives in the best run, and the processor time it cost per byte moved."""
+    second one rank receives in the best run and in the median one, and the processor time it cost
+    per byte moved."""
     transport = Transport(dist.group.WORLD)
     rank, world = transport.rank, transport.size
     peers = [p for p in range(world) if p != rank]
     send = torch.full((nbytes,), rank, dtype=torch.uint8, device=device)
     inbox = {p: torch.empty(nbytes, dtype=torch.uint8, device=device) for p in peers}
-    best, cpu = float("inf"), 0.0
+    times, cpu = [], 0.0
     for rep in range(reps + 1):  # the first is a warm-up
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -241,24 +249,27 @@ def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
         mine, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
         seconds = _max_over_ranks(mine, device)
         if rep:
-            best, cpu = min(best, seconds), cpu + cpu_s
+            times.append(seconds)
+            cpu += cpu_s
     for p, buf in inbox.items():  # a rate measured on garbage would be no rate
         assert int(buf[0]) == p and int(buf[-1]) == p, f"rank {rank} received wrong bytes from {p}"
     total = torch.tensor([cpu], dtype=torch.float64, device=device)
     dist.all_reduce(total)
-    return LinkRate((world - 1) * nbytes / best, float(total) / (reps * world * (world - 1) * nbytes))
+    moved = (world - 1) * nbytes
+    return LinkRate(moved / min(times), moved / statistics.median(times),
+                    float(total) / (reps * world * (world - 1) * nbytes))
 
 
 def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> tuple[float, float]:
     """What one message end costs a rank when many are in flight, as in a switch round: every rank
     posts `per_pair` tiny messages to and from every other at once. Returns the seconds (the best
     round's time ÷ the message ends of one rank) and the processor time (of every rank's process,
-    its transport's threads included, ÷ every rank's message ends; the least over the rounds)."""
+    its transport's threads included, ÷ every rank's message ends), each the median over the rounds."""
     transport = Transport(dist.group.WORLD)
     peers = [p for p in range(transport.size) if p != transport.rank]
     send = torch.zeros(64, dtype=torch.uint8, device=device)
     inbox = [torch.empty(64, dtype=torch.uint8, device=device) for _ in range(len(peers) * per_pair)]
-    best, least = float("inf"), float("inf")
+    times, cpus = [], []
     for rep in range(reps + 1):  # the first is a warm-up
         tags = [_P2P_TAG + (rep * per_pair + k) for k in range(per_pair)]
         dist.barrier()
@@ -270,20 +281,22 @@ def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: in
         total = torch.tensor([cpu], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         if rep:
-            best, least = min(best, seconds), min(least, float(total))
+            times.append(seconds)
+            cpus.append(float(total))
     ends = 2 * len(peers) * per_pair
-    return best / ends, least / (transport.size * ends)
+    return statistics.median(times) / ends, statistics.median(cpus) / (transport.size * ends)
 
 
 def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) -> float:
     """Bytes per second a rank receives when it and one peer are the only ones exchanging (ranks 0
-    and 1, both ways; the others wait): what one rank's port gives when the machine is not shared."""
+    and 1, both ways; the others wait; the median of `reps` timed runs): what one rank's port gives
+    when the machine is not shared."""
     transport = Transport(dist.group.WORLD)
     rank = transport.rank
     peer = {0: 1, 1: 0}.get(rank)
     send = torch.full((nbytes,), rank, dtype=torch.uint8, device=device)
     inbox = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = float("inf")
+    times = []
     for rep in range(reps + 1):  # the first is a warm-up
         dist.barrier()
         start = time.perf_counter()
@@ -293,12 +306,12 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
                                  "measuring one pair's rate").wait(Deadline.after(timeout_s))
         seconds = _max_over_ranks(time.perf_counter() - start, device)
         if rep:
-            best = min(best, seconds)
-    return nbytes / best
+            times.append(seconds)
+    return nbytes / statistics.median(times)
 
 
 def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
-    """Bytes per second of a local copy of `nbytes` into memory written before (`_fastest`: on
+    """Bytes per second of a local copy of `nbytes` into memory written before (`_typical`: on
     CPU per second of this process's processor time). The switch's new pieces land on memory the
     allocator reuses (the executor's `page_faults`: a few pages a switch in the bench's suite),
     whereas a tensor allocated for the measurement alone gets fresh pages on CPU (glibc maps
@@ -311,11 +324,11 @@ def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float
     src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
         torch.ones((rows, 1024), dtype=torch.uint8, device=device)
     dst = torch.zeros(src.shape, dtype=src.dtype, device=device)
-    return src.numel() / _fastest(lambda: dst.copy_(src), device)
+    return src.numel() / _typical(lambda: dst.copy_(src), device)
 
 
 def piece_cost(device: torch.device, pieces: int = 2000) -> float:
-    """Seconds one piece end costs beside its bytes (`_fastest`: on CPU this process's processor
+    """Seconds one piece end costs beside its bytes (`_typical`: on CPU this process's processor
     time), measured through the executor itself: `run_program` making `pieces` local copies of
     a small slice each, every one into a piece of its own, with no message. That is the work the
     executor does for every part it packs, unpacks or copies: looking up the two pieces, cutting
@@ -332,7 +345,7 @@ def piece_cost(device: torch.device, pieces: int = 2000) -> float:
     source = SimpleNamespace(local=lambda t, copy_of=None: old[t], release=lambda t: None)
     sink = SimpleNamespace(open=new.__getitem__)
     transport = SimpleNamespace(post_round=lambda sends, recvs, what: _NoMessages())
-    return _fastest(lambda: run_program(program, source, sink, transport, Deadline.after(60), device), device) / pieces
+    return _typical(lambda: run_program(program, source, sink, transport, Deadline.after(60), device), device) / pieces
 
 
 def page_rates(nbytes: int, repeats: int = 3) -> tuple[float, float]:
@@ -388,23 +401,25 @@ class _NoMessages:
         pass
 
 
-def _fastest(run, device: torch.device) -> float:
-    """Seconds of the fastest of three timed calls of `run` after an untimed one: on CUDA the
+def _typical(run, device: torch.device) -> float:
+    """Seconds of the median of three timed calls of `run` after an untimed one: on CUDA the
     time until the device is done; on CPU the processor time of this process (its threads: torch's
     intra-op ones copy too; the transport's are idle meanwhile), so that ranks measuring at once on
     fewer cores than ranks are not charged for the time they wait for one (the switch's model gives
-    each rank's work to the host's cores). What a call returns is dropped after its clock stops."""
+    each rank's work to the host's cores). What a call returns is dropped after its clock stops.
+    The median, not the fastest: the model predicts a typical switch (it is compared with the median
+    of the repeats), and inputs taken at their best make every term optimistic at once."""
     clock = time.perf_counter if device.type == "cuda" else time.process_time
-    best = float("inf")
+    times = []
     for rep in range(4):
         start = clock()
         result = run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if rep:
-            best = min(best, clock() - start)
+            times.append(clock() - start)
         del result
-    return best
+    return statistics.median(times)
 
 
 def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, ...]:
@@ -460,7 +475,7 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
                       message_host_seconds=alpha_cpu if cpu else 0.0, free_bandwidth=unmap if pages else 0.0,
                       fresh_page_bandwidth=fresh if pages else 0.0, name="this machine")
     prediction = predict(schedule, machine, memory)
-    return {"predicted_seconds": prediction.seconds, "model_message_seconds": alpha,
+    return {"predicted_seconds": prediction.seconds, "model_link_bytes_per_s": rate, "model_message_seconds": alpha,
             "model_message_cpu_seconds": alpha_cpu, "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
             "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece,
             "model_fresh_page_bytes_per_s": fresh if pages else None,
@@ -612,7 +627,8 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         shutil.rmtree(path)
     steps_taken = trainer.progress.step
     prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
-    model = _predicted(prepared.schedule, rate, opts, device) if opts.predict else {"predicted_seconds": None}
+    model = _predicted(prepared.schedule, link.typical_bytes_per_s, opts, device) if opts.predict else \
+        {"predicted_seconds": None}
     dist.barrier()
     report = trainer.switch(prepared)
     switch_s = _max_over_ranks(report.seconds, device)
