@@ -99,9 +99,10 @@ their best would make every term optimistic at once.
 ``predicted_seconds`` stands beside ``move_seconds`` (the part of ``switch_seconds`` that runs the
 schedule, transfers and copies, the slowest rank's: ``predicted_over_move``) and beside
 ``switch_seconds`` (``predicted_over_switch``: the rest is building the new layout's optimizer
-and wrappers, which the model leaves out). The record keeps what the model was given: the
-link rate (``model_link_bytes_per_s``), the per-message cost and its processor time, the lone pair's rate, the two copy rates and the piece
-cost, the two page rates, and every rank's free heap bytes and mapped-apart share (``model_*``).
+and wrappers, which the model leaves out). The record keeps what the model was given: the link
+rate (``model_link_bytes_per_s``), the per-message cost and its processor time, the lone pair's
+rate, the two copy rates and the piece cost, the two page rates, and every rank's free heap bytes
+and mapped-apart share (``model_*``).
 
 ``dcp_seconds`` = save + load: in-place resharding through the file system, with no process
 restart. ``limit_seconds`` = `SwitchReport.max_bytes_received` ÷ the link rate of step 1: no switch
@@ -256,15 +257,14 @@ def link_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
     total = torch.tensor([cpu], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     moved = (world - 1) * nbytes
-    return LinkRate(moved / min(times), moved / statistics.median(times),
-                    float(total) / (reps * world * (world - 1) * nbytes))
+    return LinkRate(moved / min(times), moved / statistics.median(times), float(total) / (reps * world * moved))
 
 
 def message_cost(reps: int, device: torch.device, timeout_s: float, per_pair: int = 32) -> tuple[float, float]:
     """What one message end costs a rank when many are in flight, as in a switch round: every rank
-    posts `per_pair` tiny messages to and from every other at once. Returns the seconds (the best
-    round's time ÷ the message ends of one rank) and the processor time (of every rank's process,
-    its transport's threads included, ÷ every rank's message ends), each the median over the rounds."""
+    posts `per_pair` tiny messages to and from every other at once. Returns the seconds (a round's
+    time ÷ the message ends of one rank) and the processor time (of every rank's process, its
+    transport's threads included, ÷ every rank's message ends), each the median over the rounds."""
     transport = Transport(dist.group.WORLD)
     peers = [p for p in range(transport.size) if p != transport.rank]
     send = torch.zeros(64, dtype=torch.uint8, device=device)

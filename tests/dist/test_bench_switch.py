@@ -72,8 +72,8 @@ def test_small_chain_reports_every_column(budget):
         given = ("link_bytes_per_s", "message_seconds", "message_cpu_seconds", "pair_bytes_per_s", "copy_bytes_per_s",
                  "strided_copy_bytes_per_s", "piece_seconds")
         assert min(r[f"model_{k}"] for k in given) > 0  # what the model was given
-        # The model's link rate is the median run's, the limit's the best: never above it.
-        assert r["model_link_bytes_per_s"] <= r["link_bytes_per_s"]
+        # The model's link rate is the median of 3 timed runs, the limit's the best: below it, ties aside.
+        assert r["model_link_bytes_per_s"] < r["link_bytes_per_s"]
         # On CPU with glibc, the kernel's work on pages: its rates, and every rank's allocator as the switch starts.
         assert r["model_fresh_page_bytes_per_s"] > 0 and r["model_free_bytes_per_s"] > 0
         assert len(r["model_heap_free_bytes"]) == 2 and min(r["model_heap_free_bytes"]) >= 0
