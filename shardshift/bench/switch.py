@@ -71,9 +71,9 @@ own schedule is timed:
 - the per-message cost: a round of 32 tiny messages to and from every peer, ÷ the messages,
   in time and (on CPU) in processor time, the transport's threads included, which the model books
   on the cores beside the copies;
-- the rates of a local copy into memory written before (where the switch's new pieces land:
-  ``move_page_faults`` below is a few pages a switch in the suite), from a contiguous and from a
-  strided slice;
+- the rates of a local copy out of the rank's own state (`copy_rates`: a few disjoint samples of
+  it, each copied once, as the switch copies it) into memory written before, from whole tensors
+  and from the first half of every row of its matrices (a strided slice);
 - the cost of one piece end beside its bytes (`piece_cost`: the executor itself, `run_program`,
   making many local copies of a small slice, as it does for each part it packs, unpacks or copies);
 - on CPU, the kernel's work on pages (`page_rates`): mapping and zeroing fresh pages as a copy
@@ -137,6 +137,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -310,21 +311,79 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
     return nbytes / statistics.median(times)
 
 
-def copy_rate(nbytes: int, device: torch.device, strided: bool = False) -> float:
-    """Bytes per second of a local copy of `nbytes` into memory written before (`_typical`: on
-    CPU per second of this process's processor time). The switch's new pieces land on memory the
-    allocator reuses (the executor's `page_faults`: a few pages a switch in the bench's suite),
-    whereas a tensor allocated for the measurement alone gets fresh pages on CPU (glibc maps
-    anything above 32 MiB afresh, and returns freed memory at the top of its heap), which the
-    kernel faults in and zeroes during the copy, at about a fifth of the rate here: measured that
-    way, the rate depended on what the allocator held at that moment rather than on the copy.
-    `strided`: out of every other 1 KiB run of a twice larger matrix, as a column slice of a
-    tensor-parallel weight is cut."""
-    rows = max(1, nbytes // 1024)
-    src = torch.ones((rows, 2, 1024), dtype=torch.uint8, device=device)[:, 0] if strided else \
-        torch.ones((rows, 1024), dtype=torch.uint8, device=device)
-    dst = torch.zeros(src.shape, dtype=src.dtype, device=device)
-    return src.numel() / _typical(lambda: dst.copy_(src), device)
+def copy_rates(state: Sequence[torch.Tensor], nbytes: int, samples: int = 3) -> tuple[float, float]:
+    """Bytes per second of a local copy out of this rank's own state (`state`: the local tensors it
+    holds) into memory written before, contiguous and strided: each the median of `samples`
+    disjoint samples of the state, copied once (`_state_samples`), on CPU per second of this
+    process's processor time, on CUDA until the device is done. Strided: the first half of every
+    row of the state's matrices, as a column slice of a tensor-parallel weight is cut.
+
+    Out of the state, once, because that is what a switch copies: here a buffer made for the
+    measurement and copied again and again moved 6.3-6.7 GB/s, while the same bytes out of a
+    rank's state moved 4.5-6.0 GB/s on their first copy (6.0 on the next). Into memory written
+    before: a tensor allocated for the measurement alone gets fresh pages on CPU, which the kernel
+    faults in and zeroes during the copy (the model books fresh pages apart, from what the
+    allocator holds)."""
+    whole, halves = _state_samples(state, nbytes, samples)
+    return _copy_rate(whole, strided=False), _copy_rate(halves, strided=True)
+
+
+def _copy_rate(groups: list[list[torch.Tensor]], strided: bool) -> float:
+    """The median over `groups` of the rate at which one copy of each group moves into a scratch
+    buffer written before."""
+    size = max(sum(_sampled(t, strided).numel() * t.element_size() for t in group) for group in groups)
+    scratch = torch.zeros(size, dtype=torch.uint8, device=groups[0][0].device)
+    clock = time.perf_counter if scratch.is_cuda else time.process_time
+    rates = []
+    for group in groups:
+        targets, at = [], 0
+        for t in group:
+            piece = _sampled(t, strided)
+            end = at + piece.numel() * t.element_size()
+            targets.append(scratch[at:end].view(t.dtype).view(piece.shape))
+            at = end
+        if scratch.is_cuda:
+            torch.cuda.synchronize(scratch.device)
+        start = clock()
+        for t, target in zip(group, targets):
+            target.copy_(_sampled(t, strided))
+        if scratch.is_cuda:
+            torch.cuda.synchronize(scratch.device)
+        rates.append(at / max(clock() - start, 1e-9))
+    return statistics.median(rates)
+
+
+def _state_samples(state: Sequence[torch.Tensor], nbytes: int, samples: int
+                   ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Up to `samples` groups of the state's contiguous tensors for each copy rate, every group of
+    at least the sample's bytes (or what is left): about `nbytes`, but at most 1/48 of the state,
+    so that the samples of both rates together warm no more than an eighth of what the switch
+    copies after them. The strided groups hold matrices only, counted by the half rows copied,
+    and none of the contiguous groups' tensors. Where the state has nothing to sample, a buffer of
+    about `nbytes` stands in for it."""
+    usable = [t for t in state if t.is_contiguous() and t.numel() > 0]
+    share = max(min(nbytes, sum(t.numel() * t.element_size() for t in usable) // (16 * samples)), 1 << 20)
+    kinds: dict[bool, list[list[torch.Tensor]]] = {False: [], True: []}  # contiguous, strided: their groups
+    held = dict.fromkeys(kinds, 0)  # bytes in each kind's last group
+    for t in usable:
+        for strided, groups in kinds.items():  # a tensor goes to one kind: the contiguous samples fill first
+            done = len(groups) == samples and held[strided] >= share
+            if done or (strided and (t.dim() != 2 or t.shape[1] < 2)):
+                continue
+            if not groups or held[strided] >= share:
+                groups.append([])
+                held[strided] = 0
+            groups[-1].append(t)
+            held[strided] += _sampled(t, strided).numel() * t.element_size()
+            break
+    device = state[0].device if state else torch.device("cpu")
+    stand_in = [[torch.ones((max(1, nbytes // 2048), 2048), dtype=torch.uint8, device=device)]]
+    return kinds[False] or stand_in, kinds[True] or stand_in
+
+
+def _sampled(t: torch.Tensor, strided: bool) -> torch.Tensor:
+    """What a copy rate copies of a state tensor: all of it, or the first half of every row."""
+    return t[:, : t.shape[1] // 2] if strided else t
 
 
 def piece_cost(device: torch.device, pieces: int = 2000) -> float:
@@ -422,15 +481,14 @@ def _typical(run, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, ...]:
-    """The contiguous and strided `copy_rate`, the `piece_cost` and on CPU the two `page_rates`
-    (else 0), measured by every rank at once (after a barrier), as the switch's ranks copy at once,
-    sharing the memory, its caches and on CPU the cores: the mean over the ranks, the same on
-    every rank."""
+def _copy_rates(state: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> tuple[float, ...]:
+    """The contiguous and strided `copy_rates` out of this rank's `state`, the `piece_cost` and on
+    CPU the two `page_rates` (else 0), measured by every rank at once (after a barrier), as the
+    switch's ranks copy at once, sharing the memory, its caches and on CPU the cores: the mean over
+    the ranks, the same on every rank."""
     dist.barrier()
     pages = page_rates(nbytes) if device.type == "cpu" else (0.0, 0.0)
-    rates = torch.tensor([copy_rate(nbytes, device), copy_rate(nbytes, device, strided=True), piece_cost(device),
-                          *pages], dtype=torch.float64, device=device)
+    rates = torch.tensor([*copy_rates(state, nbytes), piece_cost(device), *pages], dtype=torch.float64, device=device)
     dist.all_reduce(rates)
     rates /= dist.get_world_size()
     return tuple(float(rate) for rate in rates)
@@ -455,7 +513,8 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.device) -> dict:
+def _predicted(schedule, state: Sequence[torch.Tensor], rate: float, opts: SwitchBenchOptions,
+               device: torch.device) -> dict:
     """The switch's schedule timed on an α–β model of this machine, measured now (module
     docstring): ``predicted_seconds`` and the model's measured inputs (``model_*``)."""
     from shardshift.simulate.cluster import Cluster, predict
@@ -463,7 +522,7 @@ def _predicted(schedule, rate: float, opts: SwitchBenchOptions, device: torch.de
     memory = _host_memory(device)  # before the measurements below allocate and free
     alpha, alpha_cpu = message_cost(opts.p2p_reps, device, opts.timeout_s)
     alone = pair_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
-    copies, strided, piece, fresh, unmap = _copy_rates(opts.p2p_bytes, device)
+    copies, strided, piece, fresh, unmap = _copy_rates(state, opts.p2p_bytes, device)
     world = dist.get_world_size()
     # On CUDA each GPU copies on its own; on CPU the ranks' copies and messages share the cores with gloo.
     cpu = device.type != "cuda"
@@ -627,8 +686,11 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
         shutil.rmtree(path)
     steps_taken = trainer.progress.step
     prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
-    model = _predicted(prepared.schedule, link.typical_bytes_per_s, opts, device) if opts.predict else \
-        {"predicted_seconds": None}
+    model = {"predicted_seconds": None}
+    if opts.predict:  # the copy rates sample the state the switch will copy
+        state = [local(t).detach() for t in trainer.state.tensors().values()]
+        model = _predicted(prepared.schedule, state, link.typical_bytes_per_s, opts, device)
+        del state
     dist.barrier()
     report = trainer.switch(prepared)
     switch_s = _max_over_ranks(report.seconds, device)
