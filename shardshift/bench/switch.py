@@ -311,7 +311,8 @@ def pair_rate(nbytes: int, reps: int, device: torch.device, timeout_s: float) ->
     return nbytes / statistics.median(times)
 
 
-def copy_rates(state: Sequence[torch.Tensor], nbytes: int, samples: int = 3) -> tuple[float, float]:
+def copy_rates(state: Sequence[torch.Tensor], nbytes: int, device: torch.device, samples: int = 3
+               ) -> tuple[float, float]:
     """Bytes per second of a local copy out of this rank's own state (`state`: the local tensors it
     holds) into memory written before, contiguous and strided: each the median of `samples`
     disjoint samples of the state, copied once (`_state_samples`), on CPU per second of this
@@ -324,43 +325,49 @@ def copy_rates(state: Sequence[torch.Tensor], nbytes: int, samples: int = 3) -> 
     before: a tensor allocated for the measurement alone gets fresh pages on CPU, which the kernel
     faults in and zeroes during the copy (the model books fresh pages apart, from what the
     allocator holds)."""
-    whole, halves = _state_samples(state, nbytes, samples)
+    whole, halves = _state_samples(state, nbytes, device, samples)
     return _copy_rate(whole, strided=False), _copy_rate(halves, strided=True)
 
 
 def _copy_rate(groups: list[list[torch.Tensor]], strided: bool) -> float:
     """The median over `groups` of the rate at which one copy of each group moves into a scratch
-    buffer written before."""
-    size = max(sum(_sampled(t, strided).numel() * t.element_size() for t in group) for group in groups)
-    scratch = torch.zeros(size, dtype=torch.uint8, device=groups[0][0].device)
+    buffer written before (each tensor's part at an offset of its own, 64-byte aligned)."""
+    layouts = [_packed(group, strided) for group in groups]
+    scratch = torch.zeros(max(end for _, end in layouts), dtype=torch.uint8, device=groups[0][0].device)
     clock = time.perf_counter if scratch.is_cuda else time.process_time
     rates = []
-    for group in groups:
-        targets, at = [], 0
-        for t in group:
-            piece = _sampled(t, strided)
-            end = at + piece.numel() * t.element_size()
-            targets.append(scratch[at:end].view(t.dtype).view(piece.shape))
-            at = end
+    for group, (offsets, _) in zip(groups, layouts):
+        parts = [_sampled(t, strided) for t in group]
+        targets = [scratch[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                   for p, at in zip(parts, offsets)]
         if scratch.is_cuda:
             torch.cuda.synchronize(scratch.device)
         start = clock()
-        for t, target in zip(group, targets):
-            target.copy_(_sampled(t, strided))
+        for part, target in zip(parts, targets):
+            target.copy_(part)
         if scratch.is_cuda:
             torch.cuda.synchronize(scratch.device)
-        rates.append(at / max(clock() - start, 1e-9))
+        rates.append(sum(p.numel() * p.element_size() for p in parts) / max(clock() - start, 1e-9))
     return statistics.median(rates)
 
 
-def _state_samples(state: Sequence[torch.Tensor], nbytes: int, samples: int
+def _packed(group: list[torch.Tensor], strided: bool) -> tuple[list[int], int]:
+    """Byte offsets, 64-byte aligned, of each tensor's sampled part laid end to end; and the end."""
+    offsets, end = [], 0
+    for t in group:
+        offsets.append(-(-end // 64) * 64)
+        end = offsets[-1] + _sampled(t, strided).numel() * t.element_size()
+    return offsets, end
+
+
+def _state_samples(state: Sequence[torch.Tensor], nbytes: int, device: torch.device, samples: int
                    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Up to `samples` groups of the state's contiguous tensors for each copy rate, every group of
     at least the sample's bytes (or what is left): about `nbytes`, but at most 1/48 of the state,
     so that the samples of both rates together warm no more than an eighth of what the switch
     copies after them. The strided groups hold matrices only, counted by the half rows copied,
     and none of the contiguous groups' tensors. Where the state has nothing to sample, a buffer of
-    about `nbytes` stands in for it."""
+    about `nbytes` (on `device`) stands in for it."""
     usable = [t for t in state if t.is_contiguous() and t.numel() > 0]
     share = max(min(nbytes, sum(t.numel() * t.element_size() for t in usable) // (16 * samples)), 1 << 20)
     kinds: dict[bool, list[list[torch.Tensor]]] = {False: [], True: []}  # contiguous, strided: their groups
@@ -376,7 +383,6 @@ def _state_samples(state: Sequence[torch.Tensor], nbytes: int, samples: int
             groups[-1].append(t)
             held[strided] += _sampled(t, strided).numel() * t.element_size()
             break
-    device = state[0].device if state else torch.device("cpu")
     stand_in = [[torch.ones((max(1, nbytes // 2048), 2048), dtype=torch.uint8, device=device)]]
     return kinds[False] or stand_in, kinds[True] or stand_in
 
@@ -488,7 +494,8 @@ def _copy_rates(state: Sequence[torch.Tensor], nbytes: int, device: torch.device
     the ranks, the same on every rank."""
     dist.barrier()
     pages = page_rates(nbytes) if device.type == "cpu" else (0.0, 0.0)
-    rates = torch.tensor([*copy_rates(state, nbytes), piece_cost(device), *pages], dtype=torch.float64, device=device)
+    rates = torch.tensor([*copy_rates(state, nbytes, device), piece_cost(device), *pages], dtype=torch.float64,
+                         device=device)
     dist.all_reduce(rates)
     rates /= dist.get_world_size()
     return tuple(float(rate) for rate in rates)
