@@ -132,7 +132,6 @@ import json
 import math
 import mmap
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -363,27 +362,29 @@ def _packed(group: list[torch.Tensor], strided: bool) -> tuple[list[int], int]:
 
 def _state_samples(state: Sequence[torch.Tensor], nbytes: int, device: torch.device, samples: int
                    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """`samples` groups of the state's contiguous tensors for each copy rate, drawn at random (a
-    fixed seed) from across the whole state, since how fast a tensor copies depends on when it was
-    last touched, and checkpoints and digests read the state in order. An eighth of the tensors
-    (at least four a group) is drawn and dealt out in turn to the two rates, alike (the strided
-    one takes matrices only, and copies the first half of each row), so each rate copies about
-    1/16 of the state; a group stops growing at about `nbytes`. Where the state has nothing to sample, a buffer of about
-    `nbytes` (on `device`) stands in for it."""
+    """Up to `samples` groups of the state's contiguous tensors for each copy rate, every group of
+    at least the sample's bytes (or what is left): about `nbytes`, but at most 1/48 of the state,
+    so that the samples of both rates together warm no more than an eighth of what the switch
+    copies after them. The strided groups hold matrices only, counted by the half rows copied,
+    and none of the contiguous groups' tensors. Where the state has nothing to sample, a buffer of
+    about `nbytes` (on `device`) stands in for it."""
     usable = [t for t in state if t.is_contiguous() and t.numel() > 0]
-    drawn = random.Random(0).sample(usable, min(len(usable), max(4 * samples, len(usable) // 8)))
-    kinds: dict[bool, list[list[torch.Tensor]]] = {kind: [[] for _ in range(samples)] for kind in (False, True)}
-    held = {kind: [0] * samples for kind in kinds}
-    dealt = dict.fromkeys(kinds, 0)
-    for t in drawn:
-        strided = t.dim() == 2 and t.shape[1] >= 2 and dealt[True] <= dealt[False]
-        group = dealt[strided] % samples
-        dealt[strided] += 1
-        if held[strided][group] < nbytes:
-            kinds[strided][group].append(t)
-            held[strided][group] += _sampled(t, strided).numel() * t.element_size()
+    share = max(min(nbytes, sum(t.numel() * t.element_size() for t in usable) // (16 * samples)), 1 << 20)
+    kinds: dict[bool, list[list[torch.Tensor]]] = {False: [], True: []}  # contiguous, strided: their groups
+    held = dict.fromkeys(kinds, 0)  # bytes in each kind's last group
+    for t in usable:
+        for strided, groups in kinds.items():  # a tensor goes to one kind: the contiguous samples fill first
+            done = len(groups) == samples and held[strided] >= share
+            if done or (strided and (t.dim() != 2 or t.shape[1] < 2)):
+                continue
+            if not groups or held[strided] >= share:
+                groups.append([])
+                held[strided] = 0
+            groups[-1].append(t)
+            held[strided] += _sampled(t, strided).numel() * t.element_size()
+            break
     stand_in = [[torch.ones((max(1, nbytes // 2048), 2048), dtype=torch.uint8, device=device)]]
-    return [g for g in kinds[False] if g] or stand_in, [g for g in kinds[True] if g] or stand_in
+    return kinds[False] or stand_in, kinds[True] or stand_in
 
 
 def _sampled(t: torch.Tensor, strided: bool) -> torch.Tensor:

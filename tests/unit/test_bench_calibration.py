@@ -40,28 +40,22 @@ def test_a_large_block_is_mapped_apart_and_its_room_is_not_the_heap_s():
     assert after_share < held_share and after_free < free + (64 << 20)
 
 
-def test_the_copy_rates_sample_disjoint_parts_from_across_the_state_and_leave_most_of_it_alone():
-    # A transformer-like state: 24 layers of matrices of three sizes and a vector, 300 MB.
-    layer = ((768, 3072), (2304, 768), (768,), (768, 768))
-    state = [torch.ones(shape) for _ in range(24) for shape in layer]
+def test_the_copy_rates_sample_disjoint_parts_of_the_state_and_leave_most_of_it_alone():
+    # A transformer-like state: matrices of three sizes and vectors, 150 MB.
+    state = [torch.ones(shape) for _ in range(12) for shape in ((768, 3072), (2304, 768), (768,), (768, 768))]
     total = sum(t.numel() * t.element_size() for t in state)
     whole, halves = _state_samples(state, 64 << 20, CPU, 3)
-    assert len(whole) == len(halves) == 3 and all(whole + halves)
+    assert len(whole) == len(halves) == 3
     sampled = [id(t) for group in whole + halves for t in group]
     assert len(sampled) == len(set(sampled))  # no tensor is in two samples: each is copied once
     assert all(t.dim() == 2 for group in halves for t in group)  # half rows: matrices only
-    # Drawn from across the state, not its first tensors: a checkpoint reads the state in order.
-    where = {id(t): i for i, t in enumerate(state)}
-    at = sorted(where[i] for i in sampled)
-    assert at[0] < len(state) // 2 <= at[-1]
+    share = total // 48
+    assert all(sum(t.numel() * t.element_size() for t in group) >= share for group in whole)
+    assert all(sum(t.numel() * t.element_size() // 2 for t in group) >= share for group in halves)
     # What the samples copy stays a small part of what a switch copies after them.
     copied = sum(t.numel() * t.element_size() for group in whole for t in group)
     copied += sum(t.numel() * t.element_size() // 2 for group in halves for t in group)
-    assert copied < total / 5
-    # A group stops growing at about `nbytes`: one tensor past it at most.
-    for strided, groups in zip((False, True), _state_samples(state, 1 << 20, CPU, 3)):
-        for group in groups:
-            assert sum(t[:, : t.shape[1] // 2].numel() * 4 if strided else t.numel() * 4 for t in group[:-1]) < 1 << 20
+    assert copied < total / 4
     contiguous, strided = copy_rates(state, 64 << 20, CPU)
     assert all(math.isfinite(rate) and rate > 0 for rate in (contiguous, strided))
 
