@@ -320,8 +320,8 @@ def copy_rates(state: Sequence[torch.Tensor], nbytes: int, device: torch.device,
     row of the state's matrices, as a column slice of a tensor-parallel weight is cut.
 
     Out of the state, once, because that is what a switch copies: here a buffer made for the
-    measurement and copied again and again moved 6.3-6.7 GB/s, while the same bytes out of a
-    rank's state moved 4.5-6.0 GB/s on their first copy (6.0 on the next). Into memory written
+    measurement and copied again and again moved 6.3-6.7 GB/s, while 64 MiB out of a rank's state
+    moved 4.3-5.8 GB/s on their first copy (5.8-6.1 on the next). Into memory written
     before: a tensor allocated for the measurement alone gets fresh pages on CPU, which the kernel
     faults in and zeroes during the copy (the model books fresh pages apart, from what the
     allocator holds)."""
@@ -334,20 +334,13 @@ def _copy_rate(groups: list[list[torch.Tensor]], strided: bool) -> float:
     buffer written before (each tensor's part at an offset of its own, 64-byte aligned)."""
     layouts = [_packed(group, strided) for group in groups]
     scratch = torch.zeros(max(end for _, end in layouts), dtype=torch.uint8, device=groups[0][0].device)
-    clock = time.perf_counter if scratch.is_cuda else time.process_time
     rates = []
     for group, (offsets, _) in zip(groups, layouts):
         parts = [_sampled(t, strided) for t in group]
         targets = [scratch[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                    for p, at in zip(parts, offsets)]
-        if scratch.is_cuda:
-            torch.cuda.synchronize(scratch.device)
-        start = clock()
-        for part, target in zip(parts, targets):
-            target.copy_(part)
-        if scratch.is_cuda:
-            torch.cuda.synchronize(scratch.device)
-        rates.append(sum(p.numel() * p.element_size() for p in parts) / max(clock() - start, 1e-9))
+        seconds = _seconds(lambda: [target.copy_(part) for part, target in zip(parts, targets)], scratch.device)
+        rates.append(sum(p.numel() * p.element_size() for p in parts) / max(seconds, 1e-9))
     return statistics.median(rates)
 
 
@@ -467,24 +460,28 @@ class _NoMessages:
 
 
 def _typical(run, device: torch.device) -> float:
-    """Seconds of the median of three timed calls of `run` after an untimed one: on CUDA the
-    time until the device is done; on CPU the processor time of this process (its threads: torch's
-    intra-op ones copy too; the transport's are idle meanwhile), so that ranks measuring at once on
-    fewer cores than ranks are not charged for the time they wait for one (the switch's model gives
-    each rank's work to the host's cores). What a call returns is dropped after its clock stops.
-    The median, not the fastest: the model predicts a typical switch (it is compared with the median
-    of the repeats), and inputs taken at their best make every term optimistic at once."""
+    """Seconds of the median of three timed calls of `run` after an untimed one (`_seconds`). The
+    median, not the fastest: the model predicts a typical switch (it is compared with the median of
+    the repeats), and inputs taken at their best make every term optimistic at once."""
+    return statistics.median([_seconds(run, device) for _ in range(4)][1:])
+
+
+def _seconds(run, device: torch.device) -> float:
+    """Seconds of one call of `run`: on CUDA the time until the device is done; on CPU the
+    processor time of this process (its threads: torch's intra-op ones copy too; the transport's
+    are idle meanwhile), so that ranks measuring at once on fewer cores than ranks are not charged
+    for the time they wait for one (the switch's model gives each rank's work to the host's cores).
+    What the call returns is dropped after its clock stops."""
     clock = time.perf_counter if device.type == "cuda" else time.process_time
-    times = []
-    for rep in range(4):
-        start = clock()
-        result = run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if rep:
-            times.append(clock() - start)
-        del result
-    return statistics.median(times)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # nothing queued before counts
+    start = clock()
+    result = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = clock() - start
+    del result
+    return seconds
 
 
 def _copy_rates(state: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> tuple[float, ...]:
