@@ -43,6 +43,7 @@ from shardshift.bench.restart import RestartFailed, restart_job
 from shardshift.elastic.config import ElasticConfig, Inject, check_every_world
 from shardshift.launch import dies_with_this_process
 from shardshift.layout import Layout
+from shardshift.train.argv import train_argv
 from shardshift.train.config import TrainConfig
 
 
@@ -92,8 +93,6 @@ class ElasticBenchOptions:
 def run_elastic_bench(opts: ElasticBenchOptions) -> int:
     """Run the elastic job, then the restarts; print the report. The exit status: 0, or 1 when the
     elastic job failed."""
-    from shardshift.cli.train import train_argv
-
     work = Path(tempfile.mkdtemp(prefix="shardshift-bench-elastic-"))
     try:
         metrics, ckpt = work / "run.jsonl", work / "ckpt"
@@ -143,8 +142,6 @@ def _restart(opts: ElasticBenchOptions, cfg: TrainConfig, event: dict, ckpt: Pat
 def _redundancy_overhead(opts: ElasticBenchOptions, work: Path) -> dict:
     """Two fixed jobs under fsdp=N, --redundancy 0 then 1: their median step times after the
     first, and the fraction of tokens/s that redundancy costs."""
-    from shardshift.cli.train import train_argv
-
     medians = {}
     for k in (0, 1):
         metrics = work / f"overhead-{k}.jsonl"

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from shardshift.launch import dies_with_this_process
+from shardshift.train.argv import train_argv
 from shardshift.train.config import TrainConfig
 
 # Environment a launcher sets for its workers; the restart job must not inherit it, or its
@@ -40,8 +41,6 @@ class Restart:
 def restart_job(cfg: TrainConfig, path: Path, step: int, nproc: int, timeout_s: float, work: Path) -> Restart:
     """Run `shardshift train --resume path` under `cfg` on `nproc` fresh processes until it has
     taken step `step` + 1; `work` holds its metrics and its stderr."""
-    from shardshift.cli.train import train_argv
-
     metrics, log = work / "restart-metrics.jsonl", work / "restart-stderr.txt"
     metrics.unlink(missing_ok=True)
     resumed = dataclasses.replace(cfg, stop_at=step + 1, resume=str(path), metrics=str(metrics))

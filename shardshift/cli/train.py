@@ -10,6 +10,7 @@ from pathlib import Path
 from shardshift.cli import add_device_argument
 from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env, resolve_device
+from shardshift.train.argv import train_argv as train_argv  # the command line of a config; re-exported
 
 DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)
 # The default run (no --layout, no --switch) shows online switching: a pipeline from 40% of the
@@ -152,44 +153,6 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         topology=args.topology,
         plot=args.plot or (args.run_dir is not None and can_draw()),
     )
-
-
-def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
-    """The `shardshift train` arguments whose configuration is `cfg` (`config_from_args` inverted),
-    for jobs that start a training run of their own (the restart baseline of `bench switch`).
-
-    Raises ValueError for a configuration the command line cannot express (a model or optimizer
-    setting that has no flag)."""
-    from shardshift.train.config import OptimConfig, model_config
-
-    optim = OptimConfig(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, grad_clip=cfg.optim.grad_clip)
-    if cfg.optim != optim or model_config(cfg.model_name) != cfg.model:
-        raise ValueError(f"the configuration has settings no flag of `shardshift train` sets: {cfg.optim}, "
-                         f"{cfg.model} as {cfg.model_name!r}")
-    argv = ["train", "--nproc", str(nproc), "--layout", str(cfg.layout), "--model", cfg.model_name,
-            "--steps", str(cfg.steps), "--stop-at", str(cfg.stop_at), "--seed", str(cfg.seed), "--dtype", cfg.dtype,
-            "--global-batch", str(cfg.global_batch), "--lr", repr(cfg.optim.lr), "--warmup",
-            str(cfg.optim.warmup_steps), "--grad-clip", repr(cfg.optim.grad_clip), "--log-every", str(cfg.log_every),
-            "--switch-budget", str(cfg.switch_budget), "--timeout", repr(timeout_s)]
-    if not cfg.auto_micro_batches:
-        argv += ["--micro-batches", str(cfg.micro_batches)]
-    for flag, value in (("--data", cfg.data), ("--save", cfg.save), ("--resume", cfg.resume),
-                        ("--metrics", cfg.metrics)):
-        if value is not None:
-            argv += [flag, value]
-    if cfg.save_every:
-        argv += ["--save-every", str(cfg.save_every)]
-    if cfg.keep_checkpoints:
-        argv += ["--keep-checkpoints", str(cfg.keep_checkpoints)]
-    for step, layout in cfg.switches:
-        argv += ["--switch", f"{step}:{layout}"]
-    if cfg.collectives != "gloo":
-        argv += ["--collectives", cfg.collectives]
-    if cfg.topology is not None:
-        argv += ["--topology", cfg.topology]
-    if cfg.plot:
-        argv += ["--plot"]
-    return argv
 
 
 def _check_before_launch(cfg, log_dir: str | None) -> None:
