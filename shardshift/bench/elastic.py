@@ -180,14 +180,14 @@ def report(opts: ElasticBenchOptions, events: list[dict], records: list[dict], o
     fields = ("kind", "step", "from_world", "to_world", "from", "to", "pause_seconds", "detect_seconds",
               "restart_seconds", "restart_step_seconds", "restart_over_pause", "steps_lost", "bytes_moved",
               "recovered_from", "planned_ahead", "restart_error", "phases")
-    out = {"model": opts.cfg.model_name, "params": opts.cfg.model.num_params(), "dtype": opts.cfg.dtype,
+    out = {"model": opts.cfg.model.name, "params": opts.cfg.model.num_params(), "dtype": opts.cfg.dtype,
            "global_batch": opts.cfg.global_batch, "events": [{k: e.get(k) for k in fields} for e in events],
            "geomean_restart_over_pause": means, "median_step_seconds": sorted(step_times)[len(step_times) // 2],
            "redundancy_overhead": overhead["overhead"] if overhead else None, "redundancy": overhead}
     if opts.json:
         print(json.dumps(out))
         return
-    print(f"bench elastic: {opts.cfg.model_name} ({out['params']:,} parameters), {opts.cfg.dtype}, global batch "
+    print(f"bench elastic: {opts.cfg.model.name} ({out['params']:,} parameters), {opts.cfg.dtype}, global batch "
           f"{opts.cfg.global_batch}; seconds, the slowest worker's")
     print(f"{'event':<8}{'after':>6}{'worlds':>8}  {'layouts':<22}{'pause':>8}{'detect':>8}{'restart':>9}"
           f"{'rst/pause':>10}{'lost':>6}{'moved':>12}  from")

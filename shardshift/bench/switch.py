@@ -156,7 +156,7 @@ from shardshift.runtime import run_in_group
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
-from shardshift.train.space import GPTSpace
+from shardshift.models.space import state_space
 from shardshift.train.state import local
 from shardshift.train.trainer import Trainer
 from shardshift.units import format_size
@@ -765,7 +765,7 @@ def _dcp_reference(trainer: Trainer, after: Layout, path: Path, tokens):
     """
     device = trainer.par.device
     cfg = trainer.cfg.with_layout(after)
-    ranks = plan_transition(GPTSpace(cfg.model, cfg.param_dtype), trainer.assignment, after).new.ranks
+    ranks = plan_transition(state_space(cfg.model, cfg.param_dtype), trainer.assignment, after).new.ranks
 
     def build():  # `Trainer` seeds the global generator; the load restores the checkpoint's
         return Trainer(cfg, trainer.rank, device.type, tokens=tokens, ranks=ranks)
@@ -816,14 +816,14 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
     for r in records:
         r["spread"] = spread(r)
     result = {
-        "model": cfg.model_name, "params": cfg.model.num_params(), "nproc": opts.nproc,
+        "model": cfg.model.name, "params": cfg.model.num_params(), "nproc": opts.nproc,
         "device": device_type, "cores": _cores(), "dtype": cfg.dtype, "global_batch": cfg.global_batch, "repeats": opts.repeat,
         "budget": records[0]["budget"], "transitions": records, "geomean": means,
     }  # fmt: skip
     if opts.json:
         print(json.dumps(result))
         return result
-    print(f"model {cfg.model_name} ({cfg.model.num_params():,} parameters, {cfg.dtype}), {opts.nproc} "
+    print(f"model {cfg.model.name} ({cfg.model.num_params():,} parameters, {cfg.dtype}), {opts.nproc} "
           f"{device_type} ranks, budget {_size(records[0]['budget'])} per round; seconds, slowest rank; "
           f"medians of {opts.repeat} repeats ('spread': the farthest a repeat's ratio strayed from the median)")
     head = (f"{'transition':<28}{'switch':>8}{'dcp':>8}{'restart':>9}{'limit':>8} |{'dcp/sw':>8}"

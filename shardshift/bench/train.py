@@ -31,7 +31,6 @@ from shardshift.plots.canvas import check_drawable
 from shardshift.runtime import run_in_group
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, load_tokens
-from shardshift.train.model import GPT, init_value, loss_fn
 from shardshift.train.optim import build_optimizer
 from shardshift.train.trainer import Trainer
 
@@ -93,10 +92,11 @@ class PlainDDP:
     def __init__(self, cfg: TrainConfig, rank: int, device: torch.device, stream: BatchStream):
         self.cfg, self.rank, self.stream = cfg, rank, stream
         self.world = dist.get_world_size()
-        model = GPT(cfg.model).to(cfg.param_dtype)
+        model = cfg.model.build().to(cfg.param_dtype)
+        cfg.model.init_buffers(model)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(init_value(cfg.model, name, param.shape, param.dtype, cfg.seed))
+                param.copy_(cfg.model.init_value(name, param.shape, param.dtype, cfg.seed))
         self.model = DistributedDataParallel(model.to(device))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.device = device
@@ -105,7 +105,7 @@ class PlainDDP:
     def train_step(self) -> None:
         inputs, targets = self.stream.batch(self.position, self.rank, self.world)
         with self.cfg.autocast(self.device.type):
-            loss = loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
+            loss = self.cfg.model.loss(self.model(inputs.to(self.device)), targets.to(self.device))
             loss.backward()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -199,7 +199,7 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
     base = opts.base
     # "gloo" names the process group's own collectives: NCCL's on CUDA.
     own = "nccl" if device_type == "cuda" else "gloo"
-    result = {"model": base.model_name, "nproc": opts.nproc, "device": device_type, "backend": own,
+    result = {"model": base.model.name, "nproc": opts.nproc, "device": device_type, "backend": own,
               "topology": opts.topology,
               "emulate_scale": opts.emulate_scale if opts.emulate else None, "rows": rows}
     if opts.json:
@@ -207,7 +207,7 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
         return result
     where = f", on {opts.topology}" + (f" emulated at {opts.emulate_scale:.4g} × its rates" if opts.emulate
                                        else " (loopback)") if opts.topology else ""
-    print(f"model {base.model_name}, {opts.nproc} {device_type} ranks{where}, global batch {base.global_batch}, "
+    print(f"model {base.model.name}, {opts.nproc} {device_type} ranks{where}, global batch {base.global_batch}, "
           f"{ddp.steps} timed steps per variant")
     print(f"{'layout':<16}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs ' + own:>9}")
     for row in rows:

@@ -125,11 +125,12 @@ def _add_train(benches) -> None:
 
 def _train_options(args: argparse.Namespace):
     from shardshift.bench.train import TrainBenchOptions
-    from shardshift.train.config import TrainConfig, model_config
+    from shardshift.models import model_spec
+    from shardshift.train.config import TrainConfig
 
     layout = Layout.parse(args.layout)
     layout.check_world(args.nproc)  # before the batch is split for it: the mismatch is the error
-    base = TrainConfig(layout=layout, model=model_config(args.model), model_name=args.model,
+    base = TrainConfig(layout=layout, model=model_spec(args.model),
                        steps=args.warmup + args.steps * args.rounds, dtype=args.dtype,
                        global_batch=args.global_batch)
     scale = 1.0
@@ -196,7 +197,8 @@ def _chain(args: argparse.Namespace) -> tuple[Layout, ...]:
 
 def _switch_options(args: argparse.Namespace):
     from shardshift.bench.switch import SwitchBenchOptions
-    from shardshift.train.config import TrainConfig, model_config
+    from shardshift.models import model_spec
+    from shardshift.train.config import TrainConfig
     from shardshift.units import parse_size
 
     if args.nproc < 2:
@@ -208,7 +210,7 @@ def _switch_options(args: argparse.Namespace):
     if args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat}: measure each transition at least once")
     # One step under the first layout, then one after each measured switch: the LR schedule's horizon.
-    cfg = TrainConfig(layout=chain[0], model=model_config(args.model), model_name=args.model,
+    cfg = TrainConfig(layout=chain[0], model=model_spec(args.model),
                       steps=1 + (len(chain) - 1) * args.repeat, dtype=args.dtype, global_batch=args.global_batch)
     return SwitchBenchOptions(chain=chain, cfg=cfg, nproc=args.nproc, budget=parse_size(args.budget, "--budget"),
                               repeat=args.repeat, p2p_bytes=parse_size(args.p2p_size, "--p2p-size"), restart=args.restart,
@@ -255,7 +257,8 @@ def _add_elastic(benches) -> None:
 def _elastic_options(args: argparse.Namespace):
     from shardshift.bench.elastic import ElasticBenchOptions
     from shardshift.elastic.config import Inject, parse_layout_for
-    from shardshift.train.config import TrainConfig, model_config
+    from shardshift.models import model_spec
+    from shardshift.train.config import TrainConfig
 
     if args.suite and args.inject:
         raise ValueError("give either --suite or --inject, not both")
@@ -265,7 +268,7 @@ def _elastic_options(args: argparse.Namespace):
     layouts = tuple(parse_layout_for(text) for text in args.layout_for) or (ELASTIC_SUITE_LAYOUTS if args.suite else ())
     first = dict(layouts).get(args.nproc, Layout(fsdp=args.nproc))
     steps = max((i.step for i in injects), default=0) + 2  # one step after the last event, and the one it redoes
-    cfg = TrainConfig(layout=first, model=model_config(args.model), model_name=args.model, steps=steps,
+    cfg = TrainConfig(layout=first, model=model_spec(args.model), steps=steps,
                       dtype=args.dtype, global_batch=args.global_batch, log_every=0)
     return ElasticBenchOptions(cfg=cfg, nproc=args.nproc, injects=injects, layouts=layouts, restart=args.restart,
                                overhead_steps=args.overhead_steps, timeout_s=args.timeout, json=args.json)

@@ -124,15 +124,15 @@ def _switches(args: argparse.Namespace, layout: Layout) -> tuple[tuple[int, Layo
 
 def config_from_args(args: argparse.Namespace, layout: Layout):
     """Build and validate the run's configuration; raises ValueError with what to change."""
+    from shardshift.models import model_spec
     from shardshift.plots.canvas import can_draw
-    from shardshift.train.config import OptimConfig, TrainConfig, model_config
+    from shardshift.train.config import OptimConfig, TrainConfig
     from shardshift.units import parse_size
 
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, grad_clip=args.grad_clip)
     return TrainConfig(
         layout=layout,
-        model=model_config(args.model),
-        model_name=args.model,
+        model=model_spec(args.model),
         steps=args.steps,
         stop_at=args.stop_at,
         seed=args.seed,

@@ -5,11 +5,11 @@ busiest rank fits the memory limit, the policy takes the one a cost model predic
 All of it is pure; every worker evaluates it on the same inputs and must reach the same layout.
 
 **Memory** (`state_bytes_per_rank`): the most any rank holds of parameters, gradients (one per
-parameter element held) and AdamW's two moments, read exactly from the GPT's space
-(`train.space`), plus an estimate of its activations (`activation_bytes`). A rank reads at most
+parameter element held) and AdamW's two moments, read exactly from the model's state space
+(`models.space.state_space`), plus an estimate of its activations (`activation_bytes`). A rank reads at most
 ``b = ceil(global_batch / (dp * fsdp))`` sequences. Under pp with m micro-batches, 1F1B keeps
 ``min(pp - stage, m)`` micro-batches of ``b / m`` in flight on a stage. A layer keeps
-`ACTIVATION_VALUES` values of width ``d_model / tp`` per token in flight; the last stage adds
+`ACTIVATION_VALUES` values of width ``hidden_size / tp`` per token in flight; the last stage adds
 `LOGIT_COPIES` × ``vocab_size`` values per token of one micro-batch. Values are of the compute
 dtype (bfloat16 under autocast).
 
@@ -20,7 +20,7 @@ dtype (bfloat16 under autocast).
 - ``comm_bytes``, what a rank sends: the dp all-reduce ``2 (dp-1)/dp`` × its parameter piece; FSDP's
   all-gathers (forward and backward, or once under pp, which keeps parameters gathered) and
   reduce-scatter, each ``(fsdp-1)/fsdp`` × the tp piece; tp's 4 all-reduces per layer (2 forward,
-  2 backward) of ``2 (tp-1)/tp`` × the local activation ``b · seq_len · d_model``; pp's activations
+  2 backward) of ``2 (tp-1)/tp`` × the local activation ``b · seq_len · hidden_size``; pp's activations
   forward and their gradients backward, one activation each per stage boundary the rank touches;
 - ``messages``, collective calls: per FSDP unit (each block and the stage root) one per FSDP
   collective and one dp all-reduce (DDP under pure replication: one per 25 MiB bucket); tp's 4 per
@@ -28,7 +28,7 @@ dtype (bfloat16 under autocast).
 
 **Cost** (`CostModel`): seconds = a · compute + b · comm_bytes + c · messages, nothing overlapped.
 Only the ratios of a, b, c matter to the choice (all candidates have the same N). `DEFAULT` is
-set from a measurement (below); `calibrate` fits a, b, c to the job's own measured steps.
+set from one measured layout (below); `calibrate` fits a, b, c to the job's own measured steps.
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ import numpy as np
 import torch
 
 from shardshift.layout import Layout, all_layouts
+from shardshift.models.space import state_space
+from shardshift.models.spec import ModelSpec
 from shardshift.reshard.plan import Assignment, holdings_of
+from shardshift.reshard.training import MOMENTS, stage_layers, uses_fsdp
 from shardshift.train.config import TrainConfig, torch_dtype
-from shardshift.train.presets import ModelConfig, stage_blocks
-from shardshift.train.space import MOMENTS, gpt_space, uses_fsdp
 from shardshift.units import format_size
 
-ACTIVATION_VALUES = 16  # values of width d_model a layer keeps per token for its backward (estimate)
+ACTIVATION_VALUES = 16  # values of width hidden_size a layer keeps per token for its backward (estimate)
 LOGIT_COPIES = 2  # the logits and their log-softmax, vocab_size values per token each
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket: one all-reduce each
 RIDGE = 1e-6  # weight of the pull towards the scaled prior, in units of relative step-time error
@@ -93,10 +94,8 @@ class CostModel:
         return CostModel(*(c * factor for c in self.coefficients))
 
 
-# 2 CPU cores, gloo on loopback: `base` (114M parameters), global batch 12, dp=2,fsdp=2 on 4 workers
-# steps in about 16 s. Loopback moves about 1 GB/s (0.9 GB sent per rank: 0.9 s); a gloo collective
-# call costs about 100 us. The rest is compute: 6 · 114M · 3 · 256 = 5.3e11 units per rank in about
-# 15 s, with two workers per core. DEFAULT predicts 16.7 s for it.
+# The prior: prices of a CPU host with gloo on loopback, set so that a `base` step of dp=2,fsdp=2 on
+# 4 workers is predicted as measured; `calibrate` rescales it to the job's own steps.
 DEFAULT = CostModel(seconds_per_compute=3e-11, seconds_per_byte=1e-9, seconds_per_message=1e-4)
 
 
@@ -104,10 +103,10 @@ DEFAULT = CostModel(seconds_per_compute=3e-11, seconds_per_byte=1e-9, seconds_pe
 
 
 @functools.lru_cache(maxsize=256)
-def _held(model: ModelConfig, dtype: torch.dtype, layout: Layout) -> tuple[tuple[int, int], ...]:
+def _held(model: ModelSpec, dtype: torch.dtype, layout: Layout) -> tuple[tuple[int, int], ...]:
     """Per rank of `layout`: (bytes of its parameter pieces, bytes of its pieces of parameters,
     gradients and both moments)."""
-    space = gpt_space(model, dtype)
+    space = state_space(model, dtype)
     out = []
     for boxes in holdings_of(space, Assignment.identity(layout)):
         params = state = 0
@@ -139,9 +138,9 @@ def activation_bytes(cfg: TrainConfig, layout: Layout) -> tuple[int, ...]:
     micro = _local_batch(cfg, layout) // m
     itemsize = torch_dtype(cfg.dtype).itemsize
     out = []
-    for stage, blocks in enumerate(stage_blocks(mc.n_layer, layout.pp)):
+    for stage, blocks in enumerate(stage_layers(mc.pipeline.num_layers, layout.pp)):
         tokens = min(layout.pp - stage, m) * micro * mc.seq_len
-        values = len(blocks) * -(-ACTIVATION_VALUES * tokens * mc.d_model // layout.tp)
+        values = len(blocks) * -(-ACTIVATION_VALUES * tokens * mc.hidden_size // layout.tp)
         if stage == layout.pp - 1:
             values += LOGIT_COPIES * micro * mc.seq_len * mc.vocab_size
         out.append(values * itemsize)
@@ -173,8 +172,8 @@ def step_features(cfg: TrainConfig, layout: Layout) -> StepFeatures:
     piece = max(params for params, _ in _held(mc, cfg.param_dtype, layout))  # a rank's own shard
     tp_piece = max(params for params, _ in _held(mc, cfg.param_dtype, Layout(tp=tp, pp=pp)))  # before FSDP
     tokens = _local_batch(cfg, layout) * mc.seq_len
-    activation = tokens * mc.d_model * torch_dtype(cfg.dtype).itemsize  # the local batch's hidden states
-    layers = len(stage_blocks(mc.n_layer, pp)[0])  # the first stage is the longest
+    activation = tokens * mc.hidden_size * torch_dtype(cfg.dtype).itemsize  # the local batch's hidden states
+    layers = len(stage_layers(mc.pipeline.num_layers, pp)[0])  # the first stage is the longest
     units = layers + 1  # FSDP units: every block, and the stage root
     fsdp_calls = 3 if pp == 1 else 2  # all-gather forward (and backward), reduce-scatter
     boundaries = min(pp - 1, 2)  # a middle stage sends forward and backward

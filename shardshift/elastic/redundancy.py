@@ -36,7 +36,7 @@ import torch
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
 from shardshift.reshard.plan import Assignment, PieceCopies, holdings_of
 from shardshift.reshard.space import StateSpace
-from shardshift.train.space import MOMENTS
+from shardshift.reshard.training import MOMENTS
 from shardshift.train.state import TrainingState, local
 
 KINDS = ("param", *MOMENTS, "step")  # the logical tensors a copy of a parameter piece holds

@@ -60,6 +60,8 @@ from shardshift.elastic.lookout import Lookout, World
 from shardshift.elastic.membership import Epoch
 from shardshift.elastic.redundancy import Copies, Duty, copy_duties, plan_copies
 from shardshift.layout import Layout
+from shardshift.models.space import state_space
+from shardshift.models.spec import ModelSpec
 from shardshift.reshard.execute import SwitchProgram, compile_program
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
 from shardshift.reshard.schedule import build_schedule
@@ -69,7 +71,6 @@ from shardshift.train.catalog import checkpoints
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
 from shardshift.train.parallelize import build_parallel, forget_old_meshes
-from shardshift.train.presets import ModelConfig
 from shardshift.train.run import (
     Metrics,
     RunFailed,
@@ -80,7 +81,6 @@ from shardshift.train.run import (
     report_step,
     resume_point,
 )
-from shardshift.train.space import gpt_space
 from shardshift.train.state import LostState
 from shardshift.train.switch import switch_world, warm_up
 from shardshift.train.trainer import Diverged, StepAborted, Trainer
@@ -109,7 +109,7 @@ class _Control:
 class _Placement:
     """Everything the plan of a change depends on: the key of the work done for it `Ahead`."""
 
-    model: ModelConfig
+    model: ModelSpec
     dtype: torch.dtype  # the parameters'
     layout: Layout  # the new world's
     old_members: tuple[int, ...]
@@ -131,7 +131,7 @@ class _Placement:
         union = self.union
         where = {m: u for u, m in enumerate(union)}
         members = [u for u, m in enumerate(union) if m not in self.leaving and m not in self.lost]
-        space = gpt_space(self.model, self.dtype)
+        space = state_space(self.model, self.dtype)
         old = Assignment(self.old_layout, tuple(where[self.old_members[r]] for r in self.old_ranks), len(union))
         copies = plan_copies(space, self.copies, lambda rank: where[self.old_members[rank]])
         return plan_transition(space, old, self.layout, members=members, lost=[where[m] for m in self.lost],
@@ -243,7 +243,7 @@ class ElasticWorker:
         if proc.rank == 0:
             self.store.set("epoch/0", self.epoch.to_json())
             self.store.set("epoch/current", "0")
-            say(f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) elastically under {cfg.layout} "
+            say(f"training {cfg.model.name} ({cfg.model.num_params():,} parameters) elastically under {cfg.layout} "
                 f"on {proc.world_size} {self.device_type} workers ({self.ecfg.min_nproc}..{self.ecfg.max_nproc}), "
                 f"{cfg.dtype}")
 
@@ -645,7 +645,7 @@ class ElasticWorker:
         if not self.ecfg.redundancy:
             return
         trainer = self.trainer
-        space = gpt_space(trainer.cfg.model, trainer.cfg.param_dtype)
+        space = state_space(trainer.cfg.model, trainer.cfg.param_dtype)
         duties = copy_duties(space, trainer.assignment, self.ecfg.redundancy)
         self.copies = Copies(trainer.state, space, trainer.assignment, duties, rank, dist.group.WORLD, self.timeout_s)
         self.copies.fill()

@@ -111,15 +111,16 @@ class Cluster:
                 f"in a host, {self.nics_per_host} x {self.nic_bandwidth * 8 / 1e9:g} Gbit/s NICs per host")
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """A `Cluster` from a topology YAML file of ``preset: cluster``."""
-    from shardshift.collectives.topology.io import read_yaml
+def load_cluster(path: str | Path, flag: str | None = "--cluster") -> Cluster:
+    """A `Cluster` from a topology YAML file of ``preset: cluster``; ValueError in one line naming
+    `flag` and the file (`shardshift.textfile`), or what in it is wrong."""
+    from shardshift.textfile import naming, read_yaml
 
-    data = read_yaml(path, "cluster file")
+    data = read_yaml(path, flag, "a topology YAML of 'preset: cluster' (docs/topology.md)")
     try:
         return cluster_from_dict(data, Path(path).stem)
     except ValueError as err:
-        raise ValueError(f"cluster file {path}: {err}") from None
+        raise ValueError(f"{naming(flag, path)}: {err}") from None
 
 
 def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:

@@ -1,6 +1,6 @@
 """Model specs: the shapes of a transformer from its published config, and nothing else.
 
-A `ModelSpec` holds the fields of a Hugging Face-style ``config.json`` under their own key names, so
+A `DecoderSpec` holds the fields of a Hugging Face-style ``config.json`` under their own key names, so
 `load_spec` reads a model's config as published (JSON or YAML; unknown keys are ignored) as well as
 the specs shipped in ``specs/`` (``llama3-70b``, ``llama3-405b``, ``qwen3-235b-a22b``). The
 architecture is the Llama/Qwen decoder: per layer an RMSNorm, grouped-query attention (optionally
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import json
 import math
 from pathlib import Path
 
 import yaml
+
+from shardshift.textfile import naming, read_json, read_yaml
 
 # Other names the configs of some models give a field (Mixtral's, DeepSeek's).
 ALIASES = {"num_experts": ("num_local_experts", "n_routed_experts")}
@@ -31,7 +32,7 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class DecoderSpec:
     """The shapes of a decoder-only transformer, under Hugging Face's config key names."""
 
     name: str
@@ -165,30 +166,29 @@ def shipped_specs() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in _shipped().iterdir() if p.name.endswith(".yaml"))
 
 
-def load_spec(name_or_path: str | Path) -> ModelSpec:
-    """A shipped spec by name (`shipped_specs`), or a config file (a model's ``config.json``, or YAML)."""
+def load_spec(name_or_path: str | Path, flag: str | None = "--model") -> DecoderSpec:
+    """A shipped spec by name (`shipped_specs`), or a config file (a model's ``config.json``, or YAML);
+    ValueError in one line naming `flag` and the file (`shardshift.textfile`), or what in it is wrong."""
     if str(name_or_path) in shipped_specs():
         file = f"{name_or_path}.yaml"
         return spec_from_config(yaml.safe_load((_shipped() / file).read_text()), file)
     path = Path(name_or_path)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"no model spec named {str(name_or_path)!r} and no such file; the shipped specs are "
                          f"{', '.join(shipped_specs())}, or give a model's config.json")
-    text = path.read_text()
-    try:
-        config = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
-    return spec_from_config(config, str(path), default_name=path.parent.name if path.name == "config.json" else path.stem)
+    read = read_json if path.suffix == ".json" else read_yaml
+    config = read(path, flag, "a model's config.json or a YAML spec")
+    return spec_from_config(config, naming(flag, path),
+                            default_name=path.parent.name if path.name == "config.json" else path.stem)
 
 
-def spec_from_config(config: dict, source: str, default_name: str | None = None) -> ModelSpec:
-    """A `ModelSpec` from a config's keys (Hugging Face's names; others ignored); `source` names the
+def spec_from_config(config: dict, source: str, default_name: str | None = None) -> DecoderSpec:
+    """A `DecoderSpec` from a config's keys (Hugging Face's names; others ignored); `source` names the
     file in errors, `default_name` is the name when the config gives none."""
     if not isinstance(config, dict):
         raise ValueError(f"{source} holds {type(config).__name__}, not a mapping of config keys")
     values = {}
-    for field in dataclasses.fields(ModelSpec):
+    for field in dataclasses.fields(DecoderSpec):
         key = next((k for k in (field.name, *ALIASES.get(field.name, ())) if config.get(k) is not None), None)
         if key is not None:
             values[field.name] = config[key]
@@ -199,7 +199,7 @@ def spec_from_config(config: dict, source: str, default_name: str | None = None)
     if missing:
         raise ValueError(f"{source} lacks {', '.join(map(repr, missing))}, which a model spec needs")
     try:
-        return ModelSpec(**values)
+        return DecoderSpec(**values)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 

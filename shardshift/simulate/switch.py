@@ -1,8 +1,8 @@
 """`simulate_switch`: a switch planned, scheduled and timed for a world no machine here has.
 
 It runs the very code a real switch runs — `plan_transition` (the rank assignment included) and
-`build_schedule` — on the logical tensors of a model (`SpecSpace` from a published config, or the
-shipped GPT's `GPTSpace`), with no tensor and no process, and times the schedule on an α–β model
+`build_schedule` — on the logical tensors of a model (`SpecSpace` from a published config, or a built-in model's
+space, derived from its `ModelSpec`), with no tensor and no process, and times the schedule on an α–β model
 of a cluster (`cluster.predict`). What it reports is what `shardshift simulate switch` prints.
 """
 
@@ -19,17 +19,17 @@ from shardshift.simulate.cluster import Cluster, Prediction, predict
 
 
 def model_space(model: str, dtype: str = "float32"):
-    """The state space of `model`: a shipped GPT size (`train.presets.PRESETS`), a shipped spec
+    """The state space of `model`: a built-in model (`models.model_names`), a shipped spec
     (`simulate.specs`) or a config file (YAML, or a Hugging Face config.json)."""
+    from shardshift.models import model_names, model_spec
     from shardshift.train.config import DTYPES, torch_dtype
-    from shardshift.train.presets import PRESETS
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    if model in PRESETS:
-        from shardshift.train.space import GPTSpace
+    if model in model_names():
+        from shardshift.models.space import state_space
 
-        return GPTSpace(PRESETS[model], torch_dtype(dtype))
+        return state_space(model_spec(model), torch_dtype(dtype))
     from shardshift.simulate.space import SpecSpace
     from shardshift.simulate.specs import load_spec
 

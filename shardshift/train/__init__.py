@@ -1,14 +1,13 @@
-"""Training a GPT under any layout: the model (`model`), data (`data`), configuration (`config`),
-parallelization (`parallelize`), the GPT's virtual parameter space (`space`), one rank's
-`TrainingState` (`state`), the `Trainer` (`trainer`), switching its state to another layout
-(`switch`), DCP checkpoints (`checkpoint`), and one rank's whole run (`run`)."""
+"""Training any model (`shardshift.models`) under any layout: configuration (`config`), data
+(`data`), parallelization (`parallelize`), one rank's `TrainingState` (`state`), the `Trainer`
+(`trainer`), switching its state to another layout (`switch`), DCP checkpoints (`checkpoint`,
+`catalog`), and one rank's whole run (`run`)."""
 
 from shardshift._exports import lazy_exports
 
 _NAMES = {
-    "ModelConfig": ".model", "GPT": ".model",
-    "OptimConfig": ".config", "TrainConfig": ".config", "model_config": ".config",
-    "GPTSpace": ".space", "Progress": ".state", "TrainingState": ".state",
+    "OptimConfig": ".config", "TrainConfig": ".config",
+    "Progress": ".state", "TrainingState": ".state",
     "Trainer": ".trainer", "StepResult": ".trainer",
     "PreparedSwitch": ".switch", "SwitchReport": ".switch",
 }  # fmt: skip

@@ -12,13 +12,14 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
 
     Raises ValueError for a configuration the command line cannot express (a model or optimizer
     setting that has no flag)."""
-    from shardshift.train.config import OptimConfig, model_config
+    from shardshift.models import model_names, model_spec
+    from shardshift.train.config import OptimConfig
 
     optim = OptimConfig(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, grad_clip=cfg.optim.grad_clip)
-    if cfg.optim != optim or model_config(cfg.model_name) != cfg.model:
+    if cfg.optim != optim or cfg.model.name not in model_names() or model_spec(cfg.model.name) != cfg.model:
         raise ValueError(f"the configuration has settings no flag of `shardshift train` sets: {cfg.optim}, "
-                         f"{cfg.model} as {cfg.model_name!r}")
-    argv = ["train", "--nproc", str(nproc), "--layout", str(cfg.layout), "--model", cfg.model_name,
+                         f"{cfg.model}")
+    argv = ["train", "--nproc", str(nproc), "--layout", str(cfg.layout), "--model", cfg.model.name,
             "--steps", str(cfg.steps), "--stop-at", str(cfg.stop_at), "--seed", str(cfg.seed), "--dtype", cfg.dtype,
             "--global-batch", str(cfg.global_batch), "--lr", repr(cfg.optim.lr), "--warmup",
             str(cfg.optim.warmup_steps), "--grad-clip", repr(cfg.optim.grad_clip), "--log-every", str(cfg.log_every),

@@ -25,6 +25,8 @@ import re
 import zlib
 from pathlib import Path
 
+from shardshift.textfile import FileError, read_json
+
 MANIFEST = "shardshift.json"
 DCP_METADATA = ".metadata"
 FORMAT = "training-state/1"  # the DCP files hold `TrainingState.tensors()` by key
@@ -56,10 +58,10 @@ class RunIdentity:
     @classmethod
     def of(cls, cfg, data_digest: str) -> RunIdentity:
         """The identity of a run with configuration `cfg` (a `TrainConfig`) on data of `data_digest`."""
-        model = {k: getattr(cfg.model, k) for k in ("n_layer", "n_head", "d_model", "seq_len", "d_ff", "vocab_size")}
         optim = {f.name: getattr(cfg.optim, f.name) for f in dataclasses.fields(cfg.optim)}
         optim["betas"] = list(optim["betas"])  # as JSON gives it back
-        return cls(cfg.model_name, model, optim, cfg.steps, cfg.seed, cfg.global_batch, cfg.dtype, data_digest)
+        return cls(cfg.model.name, cfg.model.config_dict(), optim, cfg.steps, cfg.seed, cfg.global_batch, cfg.dtype,
+                   data_digest)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,23 +91,25 @@ class Manifest:
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
-        """The manifest of checkpoint `path`; ValueError saying what is wrong with it."""
+        """The manifest of checkpoint `path`; ValueError saying, in one line, what is wrong with it."""
+        if not (path / MANIFEST).exists():
+            raise ValueError(f"it has no {MANIFEST}")
         try:
-            data = json.loads((path / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"it has no {MANIFEST}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"its {MANIFEST} cannot be read ({err})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format", "no format") if isinstance(data, dict) else "not a JSON object"
-            raise ValueError(f"its {MANIFEST} is of format {found!r}, not {FORMAT} (written by another "
-                             "version of ShardShift, or not by ShardShift: resume with that version, or start "
-                             "afresh with --save in a new directory)")
-        try:
-            files = {str(name): [int(size), int(crc)] for name, (size, crc) in dict(data["files"]).items()}
-            return cls(FORMAT, RunIdentity(**data["run"]), str(data["layout"]), int(data["step"]), files)
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"its {MANIFEST} lacks or garbles {err}") from None
+            data = read_json(path / MANIFEST, None, "a checkpoint's manifest")
+        except FileError as err:  # named here as the checkpoint's, with what to do about a damaged one
+            raise ValueError(f"its {MANIFEST} cannot be read: {err.problem}; {_DAMAGED}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"its {MANIFEST} holds a JSON {type(data).__name__}, not an object; {_DAMAGED}")
+        if data.get("format") != FORMAT:
+            raise ValueError(f"its {MANIFEST} is of format {data.get('format', 'no format')!r}, not {FORMAT} "
+                             "(written by another version of ShardShift, or not by ShardShift: resume with that "
+                             "version, or start afresh with --save in a new directory)")
+        files = _field(data, "files", lambda v: {str(name): [_whole(size), _whole(crc)] for name, (size, crc)
+                                                 in v.items()}, "a mapping of file name to [bytes, CRC-32]")
+        run = _field(data, "run", lambda v: RunIdentity(**v), "the run's identity (model, optim, steps, ...)")
+        layout = _field(data, "layout", _text, "a layout")
+        step = _field(data, "step", _whole, "a step number")
+        return cls(FORMAT, run, layout, step, files)
 
     def write(self, path: Path) -> None:
         data = {"format": self.format, "run": self.run.as_dict(), "layout": self.layout, "step": self.step,
@@ -116,6 +120,33 @@ class Manifest:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path / MANIFEST)
+
+
+_DAMAGED = "the checkpoint is damaged, or was not written by ShardShift: resume from another one, or move it away"
+
+
+def _field(data: dict, key: str, convert, expected: str):
+    """``convert(data[key])``; ValueError naming the manifest's key if it is missing or not `expected`."""
+    if key not in data:
+        raise ValueError(f"its {MANIFEST} lacks {key!r}; {_DAMAGED}")
+    try:
+        return convert(data[key])
+    except (AttributeError, TypeError, ValueError):
+        shown = repr(data[key])
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ValueError(f"its {MANIFEST} has {key!r} = {shown}, not {expected}; {_DAMAGED}") from None
+
+
+def _whole(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(value)
+    return value
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return value
 
 
 def file_table(path: Path, rank: int = 0, world: int = 1) -> dict[str, list[int]]:

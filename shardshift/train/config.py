@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 from shardshift.layout import Layout
 from shardshift.reshard.schedule import DEFAULT_BUDGET, MIN_BUDGET
 from shardshift.train.data import data_slice
-from shardshift.train.presets import PRESETS, ModelConfig, check_layout
 
 if TYPE_CHECKING:
     import torch
+
+    from shardshift.models.spec import ModelSpec
 
 DTYPES = ("float32", "float64", "bfloat16")  # the --dtype names, each a torch dtype's (`torch_dtype`)
 
@@ -61,8 +62,7 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     layout: Layout
-    model: ModelConfig
-    model_name: str
+    model: ModelSpec  # what is trained (`shardshift.models`); its name is --model's
     steps: int  # length of the run in optimizer steps: the LR schedule's horizon
     stop_at: int = 0  # stop after this global step (0: at `steps`); a resumed run goes on from its step
     seed: int = 0
@@ -116,7 +116,7 @@ class TrainConfig:
         object.__setattr__(self, "auto_micro_batches", self.micro_batches == 0)
         if self.micro_batches == 0:
             object.__setattr__(self, "micro_batches", 2 * self.layout.pp if self.layout.pp > 1 else 1)
-        check_layout(self.layout, self.model)
+        self.model.check_layout(self.layout)
         self.check_batch(self.layout)
         self._check_collectives()
         self._check_switches()
@@ -214,9 +214,3 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
-
-
-def model_config(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]

@@ -1,20 +1,23 @@
-"""Apply a layout to the GPT from outside, with PyTorch's own building blocks.
+"""Apply a layout to a model from outside, with PyTorch's own building blocks.
 
-The order is fixed (as in torchtitan): build the model on the meta device, keep only this rank's
-pipeline stage, apply tensor parallelism, then FSDP2 over the data-parallel axes, then allocate the
-local shards and fill them. No full tensor of the model is ever materialised on a rank beyond one
-parameter at a time during initialisation.
+The order is fixed (as in torchtitan): build the model on the meta device (`ModelSpec.build`), keep
+only this rank's pipeline stage, apply tensor parallelism, then FSDP2 over the data-parallel axes,
+then allocate the local shards and fill them. No full tensor of the model is ever materialised on a
+rank beyond one parameter at a time during initialisation.
 
-- ``tp``: ``parallelize_module`` with the plan `TP_PLAN` on every block: the query/key/value and the
-  MLP's first projection are column-parallel (each rank holds ``n_head / tp`` heads, ``d_ff / tp``
-  hidden units), the attention output and the MLP's second projection are row-parallel (one
-  all-reduce each, forward and backward). Embeddings, norms and the head stay whole on every tp rank.
-- ``fsdp`` and ``dp``: ``fully_shard`` on every block, then on the stage root. With ``dp == 1`` the
+- ``pp``: the model's pipeline split (`PipelineSplit`) keeps this stage's run of layers (contiguous,
+  as even as possible: `reshard.training.stage_layers`) under their global names, and sets the
+  modules of the first or the last stage to None on the others; the trainer runs the stages as a
+  1F1B pipeline (`trainer.py`).
+- ``tp``: ``parallelize_module`` with the model's plan (`ModelSpec.tp_plan`), its styles
+  ``colwise`` and ``rowwise`` as PyTorch's ``ColwiseParallel`` and ``RowwiseParallel``.
+- ``fsdp`` and ``dp``: ``fully_shard`` on every layer, then on the stage root. With ``dp == 1`` the
   mesh is 1-D (``fsdp``: plain FSDP); with ``dp > 1`` it is the 2-D ``(dp, fsdp)`` mesh, i.e. HSDP:
   sharded over ``fsdp`` and replicated over ``dp``. Pure replication (``dp > 1`` with ``fsdp`` and
   ``tp`` both 1) is `DistributedDataParallel` instead (see `wrap_for_training`): its bucketed
   all-reduce overlaps backward and is what FSDP2 with shards of one rank cannot match.
-- ``pp``: see `pipeline.py`; blocks are split into contiguous runs, as even as possible.
+
+`models.space.state_space` states the same placement as pure metadata, for the planner.
 """
 
 from __future__ import annotations
@@ -31,16 +34,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.layout import Coord, Layout
+from shardshift.models.spec import ModelSpec, plan_matcher
 from shardshift.reshard.plan import increasing_on_every_axis
-from shardshift.train.model import GPT, init_value
-from shardshift.train.presets import ModelConfig, stage_blocks
-from shardshift.train.space import TP_STYLES, uses_fsdp
+from shardshift.reshard.training import stage_layers, uses_fsdp
 
-# Module (relative to a block) -> its tensor-parallel style, from the pure statement in `state.py`.
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}  # `ModelSpec.tp_plan`'s vocabulary
 MESH_AXES = ("pp", "dp", "fsdp", "tp")  # the training mesh's dims: `AXES` but ep, which training refuses
 TREE_AXES = ("dp", "fsdp")  # the data axes, whose groups `build_parallel(trees=...)` runs on trees
-TP_PLAN = {module: _STYLES[style]() for module, style in TP_STYLES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,35 +140,37 @@ def forget_old_meshes() -> None:
     clear_redistribute_planner_cache()
 
 
-def build_stage_model(cfg: ModelConfig, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
+def build_stage_model(spec: ModelSpec, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
     """This rank's part of the model, parallelized, with its local shards initialised."""
-    model = build_stage_skeleton(cfg, par, dtype)
+    model = build_stage_skeleton(spec, par, dtype)
     model.to_empty(device=par.device)
-    init_local_shards(model, cfg, seed)
+    init_local_shards(model, spec, seed)
     return model
 
 
-def build_stage_skeleton(cfg: ModelConfig, par: Parallel, dtype: torch.dtype) -> nn.Module:
+def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> nn.Module:
     """This rank's part of the model, parallelized, with every parameter still on the meta device.
 
     Its parameters are allocated later: all at once (``to_empty``), or leaf module by leaf module
     while a switch fills them (`materialize`).
     """
     with torch.device("meta"):
-        model = GPT(cfg)
-    keep = stage_blocks(cfg.n_layer, par.layout.pp)[par.coord.pp]
-    for index in list(model.blocks.keys()):
+        model = spec.build()
+    split = spec.pipeline
+    layers = model.get_submodule(split.layers)
+    keep = stage_layers(split.num_layers, par.layout.pp)[par.coord.pp]
+    for index in list(layers.keys()):
         if int(index) not in keep:
-            del model.blocks[index]
-    if not par.is_first_stage:
-        model.tok_emb = model.pos_emb = None
-    if not par.is_last_stage:
-        model.ln_f = model.head = None
+            del layers[index]
+    for name in (() if par.is_first_stage else split.first) + (() if par.is_last_stage else split.last):
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, None)
     model.to(dtype)
 
     if par.layout.tp > 1:
-        for block in model.blocks.values():
-            parallelize_module(block, par.mesh["tp"], TP_PLAN)
+        style_of = plan_matcher(spec.tp_plan)
+        plan = {name: _STYLES[style]() for name, _ in model.named_modules() if (style := style_of(name))}
+        parallelize_module(model, par.mesh["tp"], plan)
     data_mesh = par.data_mesh
     if data_mesh is not None:
         # Under pp the stage runs several micro-batches per step: keep parameters gathered between
@@ -177,8 +179,8 @@ def build_stage_skeleton(cfg: ModelConfig, par: Parallel, dtype: torch.dtype) ->
         # FSDP2 warns when a module returns a view, in case the caller modifies it in place; the
         # head's output is a view and the loss reads it out of place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        for block in model.blocks.values():
-            fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard)
+        for layer in layers.values():
+            fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
     return model
 
@@ -192,16 +194,18 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def init_local_shards(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Fill every parameter's local shard with its slice of `init_value`, one parameter at a time."""
+def init_local_shards(model: nn.Module, spec: ModelSpec, seed: int) -> None:
+    """Fill every parameter's local shard with its slice of `ModelSpec.init_value`, one parameter
+    at a time; then the buffers no checkpoint holds (`ModelSpec.init_buffers`)."""
     for fqn, param in model.named_parameters():
-        full = init_value(cfg, fqn, param.shape, param.dtype, seed)
+        full = spec.init_value(fqn, param.shape, param.dtype, seed)
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank slices its own copy; no communication.
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(full)
+    spec.init_buffers(model)
 
 
 def wrap_for_training(model: nn.Module, par: Parallel, sync: bool = True) -> nn.Module:

@@ -247,7 +247,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     if proc.rank == 0:
         say_device_note(proc)
         say(
-            f"training {cfg.model_name} ({cfg.model.num_params():,} parameters) under "
+            f"training {cfg.model.name} ({cfg.model.num_params():,} parameters) under "
             f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}"
         )
     signals = Signals()

@@ -1,9 +1,10 @@
 """Text from a trained model: `shardshift sample --resume DIR`.
 
 The newest intact checkpoint in DIR (or DIR itself, if it is one) is read into one process,
-whatever layout wrote it: its manifest names the model, and DCP reshards every parameter into a
-whole tensor on load (optimizer state is not read). The model reads and writes bytes (a vocabulary
-of 256), so a prompt is its UTF-8 bytes and the text is decoded with invalid bytes replaced.
+whatever layout wrote it: its manifest names the model and its configuration (`models.ModelSpec`),
+and DCP reshards every parameter into a whole tensor on load (optimizer state is not read). The
+model reads and writes bytes (a vocabulary of 256), so a prompt is its UTF-8 bytes and the text is
+decoded with invalid bytes replaced.
 
 Sampling draws each next byte from the softmax of the last position's logits divided by the
 temperature, with a generator seeded by `seed` (temperature 0: always the most likely byte). The
@@ -19,11 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
+from shardshift.models import model_spec
+from shardshift.models.spec import ModelSpec
 from shardshift.train.catalog import Manifest, choose
 from shardshift.train.config import torch_dtype
-from shardshift.train.model import GPT
-from shardshift.train.presets import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,22 +36,26 @@ class Sample:
     text: str  # what the model wrote after the prompt
 
 
-def load_model(where: str) -> tuple[GPT, Path, Manifest]:
-    """The model of the newest intact checkpoint in `where` (of any run), on the CPU, in eval mode;
-    ValueError naming --resume when there is none."""
+def load_model(where: str) -> tuple[nn.Module, ModelSpec, Path, Manifest]:
+    """The model of the newest intact checkpoint in `where` (of any run), on the CPU, in eval mode,
+    and its spec; ValueError naming --resume when there is none."""
     choice = choose(where, run=None)
     manifest = choice.manifest
-    cfg = ModelConfig(**manifest.run.model_config)
+    try:
+        spec = model_spec(manifest.run.model).with_config(manifest.run.model_config)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--resume {choice.path}: its model {manifest.run.model!r} cannot be built from its manifest "
+                         f"({err}); sample it from Python with its ModelSpec") from None
     dtype = torch_dtype("float32" if manifest.run.dtype == "bfloat16" else manifest.run.dtype)
-    model = GPT(cfg).to(dtype)
+    model = spec.build().to(dtype)
     state = {f"param:{name}": param.detach() for name, param in model.named_parameters()}
     with warnings.catch_warnings():  # DCP says it is loading in one process, as it is meant to here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=str(choice.path), no_dist=True)  # into the parameters, resharded
-    return model.eval(), choice.path, manifest
+    return model.eval(), spec, choice.path, manifest
 
 
-def generate(model: GPT, prompt: bytes, tokens: int, temperature: float, seed: int) -> bytes:
+def generate(model: nn.Module, seq_len: int, prompt: bytes, tokens: int, temperature: float, seed: int) -> bytes:
     """`tokens` bytes that follow `prompt` (see the module docstring)."""
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character to start from")
@@ -58,7 +64,7 @@ def generate(model: GPT, prompt: bytes, tokens: int, temperature: float, seed: i
     out = []
     with torch.no_grad():
         for _ in range(tokens):
-            logits = model(ids[:, -model.cfg.seq_len:])[0, -1].double()
+            logits = model(ids[:, -seq_len:])[0, -1].double()
             if temperature == 0:
                 nxt = int(torch.argmax(logits))
             else:
@@ -74,6 +80,6 @@ def sample(where: str, prompt: str, tokens: int = 200, temperature: float = 0.8,
         raise ValueError(f"--tokens {tokens} must be >= 1")
     if not temperature >= 0:
         raise ValueError(f"--temperature {temperature} must be >= 0 (0: the most likely byte each time)")
-    model, path, manifest = load_model(where)
-    text = generate(model, prompt.encode(), tokens, temperature, seed).decode("utf-8", errors="replace")
+    model, spec, path, manifest = load_model(where)
+    text = generate(model, spec.seq_len, prompt.encode(), tokens, temperature, seed).decode("utf-8", errors="replace")
     return Sample(path, manifest, prompt, text)

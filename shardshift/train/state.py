@@ -7,8 +7,8 @@ not at the first step), and the progress (optimizer steps taken, which is also t
 the LR schedule, and the data stream's position). The CPU generator's state belongs to it too; it
 lives in torch's global generator, which the state reads and sets.
 
-`tensors()` is the one enumeration of that state: every logical tensor of the GPT's space
-(`space.py`) that this rank holds, by its key (``param:<fqn>``, ``exp_avg:<fqn>``,
+`tensors()` is the one enumeration of that state: every logical tensor of the model's space
+(`models.space.state_space`) that this rank holds, by its key (``param:<fqn>``, ``exp_avg:<fqn>``,
 ``exp_avg_sq:<fqn>``, ``step:<fqn>``, ``progress:train``, ``rng:cpu``). The switch, the checkpoint,
 the benchmarks' digests and the tests all read the state through it.
 
@@ -26,10 +26,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardshift.reshard.training import MOMENTS, PROGRESS_KEY, RNG_KEY
 from shardshift.train.config import TrainConfig
 from shardshift.train.optim import build_optimizer
 from shardshift.train.parallelize import Parallel, build_stage_model
-from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY
 
 
 @dataclasses.dataclass

@@ -38,9 +38,11 @@ from torch.distributed.fsdp import fully_shard
 
 from shardshift.comm.p2p import Deadline, Transport
 from shardshift.layout import Layout
+from shardshift.models.space import state_space
 from shardshift.reshard.execute import PHASES, ExecStats, SwitchProgram, compile_program, run_program
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
 from shardshift.reshard.schedule import DEFAULT_BUDGET, SwitchSchedule, build_schedule
+from shardshift.reshard.training import MOMENTS, PROGRESS_KEY, RNG_KEY, TrainingSpace
 from shardshift.train.config import TrainConfig
 from shardshift.train.optim import build_optimizer
 from shardshift.train.parallelize import (
@@ -50,7 +52,6 @@ from shardshift.train.parallelize import (
     forget_old_meshes,
     materialize,
 )
-from shardshift.train.space import MOMENTS, PROGRESS_KEY, RNG_KEY, GPTSpace, gpt_space
 from shardshift.train.state import Progress, TrainingState, local
 
 
@@ -117,7 +118,7 @@ class _StateSource:
     """The old state's local pieces, by logical tensor (`TrainingState.tensors()`); and, through
     `copies(of, key)`, the copies this process keeps of lost processes' pieces (`--redundancy`)."""
 
-    def __init__(self, state: TrainingState, space: GPTSpace, copies=None):
+    def __init__(self, state: TrainingState, space: TrainingSpace, copies=None):
         self.tensors = space.tensors
         self.held = state.tensors()
         self.pieces: dict[int, torch.Tensor] = {}
@@ -149,7 +150,7 @@ class _ModelSink:
     memory grows as the schedule allows and no tensor is constructed while training stands still.
     """
 
-    def __init__(self, model: nn.Module, space: GPTSpace, device: torch.device):
+    def __init__(self, model: nn.Module, space: TrainingSpace, device: torch.device):
         self.optim_state: dict[str, dict[str, torch.Tensor]] = {}
         self.scalars = {PROGRESS_KEY: torch.zeros(2, dtype=torch.int64), RNG_KEY: torch.empty_like(torch.get_rng_state())}
         self.pieces: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (local piece, its bytes)
@@ -194,7 +195,7 @@ class PreparedSwitch:
     schedule: SwitchSchedule
     par: Parallel  # the new layout's meshes
     model: nn.Module  # its model, parallelized, every tensor of it with no storage yet
-    space: GPTSpace
+    space: TrainingSpace
     sink: _ModelSink  # that model's parameters and AdamW state, by logical tensor
     program: SwitchProgram  # this rank's part of the schedule, every slice worked out
     seconds: float  # time it took to prepare, on this rank
@@ -210,7 +211,7 @@ def prepare_switch(cfg: TrainConfig, state: TrainingState, rank: int, layout: La
     """
     start = time.perf_counter()
     new_cfg = cfg.with_layout(layout)  # refuses a batch the new layout cannot split
-    space = gpt_space(new_cfg.model, new_cfg.param_dtype)
+    space = state_space(new_cfg.model, new_cfg.param_dtype)
     plan = plan_transition(space, Assignment(cfg.layout, state.par.ranks), layout)
     schedule = build_schedule(plan, budget)
     par = build_parallel(layout, rank, state.par.device.type, plan.new.ranks, state.par.trees)
@@ -259,15 +260,15 @@ class _Nothing:
 def warm_up(cfg: TrainConfig, par: Parallel | None, device_type: str = "cpu") -> float:
     """Build, and throw away, the structure a change of world builds (a model skeleton, FSDP2 and
     DTensor wrappers, its storage-less sink): a process's first build pays for lazy imports and
-    cold code paths (0.9 s for the 114M model here; 0.03 s after), which would otherwise fall in
-    the pause of its first change. Returns the seconds it took.
+    cold code paths (several times what a later build costs), which would otherwise fall in the
+    pause of its first change. Returns the seconds it took.
 
     `par`: the meshes of the world this process is in (its layout's own paths are warmed), or None
     for a process in no world (a joiner waiting to be admitted): it then forms a world of its own
     of one process (a private store), shards the skeleton with FSDP2 over a one-rank mesh, and
     leaves it again."""
     start = time.perf_counter()
-    space = gpt_space(cfg.model, cfg.param_dtype)
+    space = state_space(cfg.model, cfg.param_dtype)
     if par is not None:
         _ModelSink(build_stage_skeleton(cfg.model, par, cfg.param_dtype), space, par.device)
         return time.perf_counter() - start
@@ -277,8 +278,8 @@ def warm_up(cfg: TrainConfig, par: Parallel | None, device_type: str = "cpu") ->
         alone = build_parallel(Layout(), 0, device_type)
         model = build_stage_skeleton(cfg.model, alone, cfg.param_dtype)
         mesh = init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
-        for block in model.blocks.values():
-            fully_shard(block, mesh=mesh)
+        for layer in model.get_submodule(cfg.model.pipeline.layers).values():
+            fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         _ModelSink(model, space, alone.device)
     finally:
@@ -299,7 +300,7 @@ def switch_world(old: TrainingState | None, plan: TransitionPlan, program: Switc
     logical tensor `key`, for a plan that takes pieces from copies. The new model and AdamW state
     are built with no storage and filled as `switch_state` fills them; `old` is consumed as there.
     """
-    space = gpt_space(new_cfg.model, new_cfg.param_dtype)
+    space = state_space(new_cfg.model, new_cfg.param_dtype)
     sink = model = None
     if new_par is not None:
         model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype)

@@ -23,7 +23,6 @@ from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, data_slice, load_tokens, loss_weight
-from shardshift.train.model import loss_fn
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import Parallel, build_parallel, tree_options, wrap_for_training
 from shardshift.train.state import Progress, TrainingState
@@ -166,7 +165,8 @@ class Trainer:
         # gradients by the number of micro-batches makes them the gradient of the local-batch mean.
         # Under pp the batch splits evenly (`TrainConfig.check_batch`: slices that differ by one
         # cannot both split into two or more micro-batches), so no rank's loss is weighted.
-        return module, Schedule1F1B(stage, n_microbatches=self.cfg.micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return module, Schedule1F1B(stage, n_microbatches=self.cfg.micro_batches, loss_fn=self.cfg.model.loss,
+                                    scale_grads=True)
 
     def _loss_weight(self) -> float:
         """This rank's weight on its mean loss (`data.loss_weight`: 1 unless the batch splits unevenly)."""
@@ -178,7 +178,7 @@ class Trainer:
         this rank's share of the batch (`_loss_weight`), left in `.grad`."""
         weight = self._loss_weight()
         if self.pipeline is None:
-            loss = loss_fn(self.module(inputs), targets)
+            loss = self.cfg.model.loss(self.module(inputs), targets)
             (loss if weight == 1.0 else loss * weight).backward()
             return loss.detach()
         if self.par.is_first_stage:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
-from support.cli import run_shardshift
+
 from support import REPO
-
-
+from support.cli import run_shardshift
 
 
 def test_small_run_reports_every_impl_without_wrong_elements(budget):

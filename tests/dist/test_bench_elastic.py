@@ -5,15 +5,13 @@ is asserted: every event and column must be there, no step lost, and every resta
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from shardshift.cli.main import main
 from shardshift.elastic.worker import PHASES
-from support.cli import run_shardshift
 from support import REPO
+from support.cli import run_shardshift
 
 
 def test_bad_input_exits_2_before_anything_starts(capsys):

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-from support.cli import run_shardshift
+
 from support import REPO
-
-
+from support.cli import run_shardshift
 
 
 def test_bad_layout_from_the_shell_exits_2(budget):

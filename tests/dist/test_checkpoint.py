@@ -10,19 +10,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
-import pytest
 import torch
 
+from shardshift.layout import Layout
+from shardshift.models import model_spec
+from shardshift.train import checkpoint
+from shardshift.train.catalog import check_intact
+from shardshift.train.config import TrainConfig
+from shardshift.train.trainer import Trainer
 from support.cli import run_shardshift
 from support.dist import run_distributed
 from support.training import ATOL, full_parameters, step_losses
-from shardshift.layout import Layout
-from shardshift.train import checkpoint
-from shardshift.train.catalog import check_intact
-from shardshift.train.config import TrainConfig, model_config
-from shardshift.train.trainer import Trainer
 
 STEPS, SAVE_AT = 6, 3
 PAIRS = [("fsdp=2,tp=2", "pp=2,dp=2"), ("pp=4", "fsdp=4"), ("dp=2,tp=2", "pp=2,fsdp=2"), ("tp=2,pp=2", "pp=4")]
@@ -31,7 +30,7 @@ PAIRS = [("fsdp=2,tp=2", "pp=2,dp=2"), ("pp=4", "fsdp=4"), ("dp=2,tp=2", "pp=2,f
 def _config(text: str) -> TrainConfig:
     layout = Layout.parse(text)
     return TrainConfig(
-        layout=layout, model=model_config("test"), model_name="test", steps=STEPS, seed=5,
+        layout=layout, model=model_spec("test"), steps=STEPS, seed=5,
         dtype="float64", global_batch=8, micro_batches=4 if layout.pp == 4 else 0,
     )
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support.dist import run_distributed
 
+from shardshift.collectives.execution.reduction import Reduction
 from shardshift.collectives.planning.ops import Collective
 from shardshift.collectives.topology.presets import dgx1v, full, ring
-from shardshift.collectives.execution.reduction import Reduction
+from support.dist import run_distributed
 
 TOLERANCE = {torch.float64: (1e-12, 1e-13), torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 5e-2),
              torch.int64: (0.0, 0.0), torch.int32: (0.0, 0.0)}  # fmt: skip
@@ -44,8 +44,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, exact: bool) ->
 
 def _executor_cases(rank: int, n: int) -> dict:
     from shardshift.collectives.execution.executor import ExecMode
-    from shardshift.collectives.planning.rings import ring_packing
     from shardshift.collectives.execution.runner import RunOptions, TreeCollectives
+    from shardshift.collectives.planning.rings import ring_packing
 
     world = dist.group.WORLD
     report = {"cases": 0, "failures": []}

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
-from support.cli import run_shardshift
 from support import REPO
+from support.cli import run_shardshift
 
 TINY = ["--model", "test", "--global-batch", "8"]
 # README command (comment stripped) -> the arguments that shrink it, or the test that runs it.

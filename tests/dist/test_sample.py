@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from shardshift.cli.main import main
 from shardshift.layout import Layout
+from shardshift.models import model_spec
 from shardshift.train import checkpoint
-from shardshift.train.config import TrainConfig, model_config
+from shardshift.train.config import TrainConfig
 from shardshift.train.sample import sample
 from shardshift.train.trainer import Trainer
 from support.dist import run_distributed
@@ -19,7 +19,7 @@ LAYOUTS = ["fsdp=2,tp=2", "tp=2,pp=2", "dp=4"]
 
 
 def _config(layout: str) -> TrainConfig:
-    return TrainConfig(layout=Layout.parse(layout), model=model_config("test"), model_name="test", steps=10,
+    return TrainConfig(layout=Layout.parse(layout), model=model_spec("test"), steps=10,
                        dtype="float32", global_batch=8, seed=2)
 
 

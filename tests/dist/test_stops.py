@@ -5,7 +5,6 @@ directory of the launcher left. After a resume, the float64 losses equal the uni
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

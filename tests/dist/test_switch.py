@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardshift.layout import Layout, all_layouts
+from shardshift.models import model_spec
+from shardshift.train import checkpoint
+from shardshift.train.config import TrainConfig
+from shardshift.train.trainer import Trainer
 from support.dist import run_distributed
 from support.training import differences, local_state
-from shardshift.layout import Layout, all_layouts
-from shardshift.train import checkpoint
-from shardshift.train.config import TrainConfig, model_config
-from shardshift.train.trainer import Trainer
 
 SEED = 3
 
 
 def _config(text: str, dtype: str = "float64", steps: int = 8) -> TrainConfig:
     return TrainConfig(
-        layout=Layout.parse(text), model=model_config("test"), model_name="test", steps=steps,
+        layout=Layout.parse(text), model=model_spec("test"), steps=steps,
         seed=SEED, dtype=dtype, global_batch=8,
     )
 
@@ -90,13 +90,13 @@ def _holdings_vs_dtensor(rank: int, world_size: int) -> tuple[list, int, int]:
     """Compare the pure `holding` with DTensor's own placement math on the real sharded model."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from shardshift.models.space import state_space
     from shardshift.reshard.plan import axis_orders
     from shardshift.reshard.space import holding
     from shardshift.train.parallelize import build_parallel, build_stage_skeleton
-    from shardshift.train.space import GPTSpace
 
-    cfg = model_config("test")
-    space = GPTSpace(cfg, torch.float32)
+    cfg = model_spec("test")
+    space = state_space(cfg, torch.float32)
     by_key = {t.key: t for t in space.tensors}
     wrong, strided, checked = [], 0, 0
     for layout in all_layouts(world_size):
@@ -174,9 +174,9 @@ def _switching_run(rank: int, world_size: int) -> dict:
 
 
 def test_switching_run_matches_the_unswitched_run(budget):
-    from shardshift.train.space import GPTSpace
+    from shardshift.models.space import state_space
 
-    largest = max(t.nbytes for t in GPTSpace(model_config("test"), torch.float64).tensors)
+    largest = max(t.nbytes for t in state_space(model_spec("test"), torch.float64).tensors)
     for rank, result in enumerate(run_distributed(4, _switching_run, timeout_s=budget.left())):
         got, expected = torch.tensor(result["losses"]), torch.tensor(result["expected"])
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=0, msg=f"rank {rank}")

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from shardshift.comm import TransferError
 from shardshift.layout import Layout
-from shardshift.train.config import TrainConfig, model_config
+from shardshift.models import model_spec
+from shardshift.train.config import TrainConfig
 from shardshift.train.state import LostState
 from shardshift.train.trainer import Trainer
 from support.dist import run_distributed
@@ -48,7 +49,7 @@ class _DiesMidSwitch:
 
 
 def _switch_with_a_dying_peer(rank: int, world_size: int) -> dict:
-    cfg = TrainConfig(layout=Layout(fsdp=2), model=model_config("test"), model_name="test", steps=4,
+    cfg = TrainConfig(layout=Layout(fsdp=2), model=model_spec("test"), steps=4,
                       global_batch=4, seed=1)
     group = _DiesMidSwitch(dist.group.WORLD, after=3) if rank == 1 else dist.group.WORLD
     trainer = Trainer(cfg, rank, "cpu", group=group, timeout_s=60)

@@ -7,12 +7,10 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from support.cli import run_shardshift
 from support.training import step_losses
-
 
 
 def test_torchrun_matches_the_local_launcher(tmp_path, budget):

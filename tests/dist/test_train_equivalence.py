@@ -13,15 +13,15 @@ import dataclasses
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
+from shardshift.layout import Layout, all_layouts
+from shardshift.models import model_spec
+from shardshift.models.space import state_space
+from shardshift.reshard.space import holding
+from shardshift.train.config import TrainConfig
+from shardshift.train.trainer import Trainer
 from support.dist import run_distributed
 from support.training import ATOL, full_parameters
-from shardshift.layout import Layout, all_layouts
-from shardshift.train.config import TrainConfig, model_config
-from shardshift.reshard.space import holding
-from shardshift.train.space import GPTSpace
-from shardshift.train.trainer import Trainer
 
 STEPS = 5
 RTOL = 1e-9
@@ -29,7 +29,7 @@ RTOL = 1e-9
 
 def _config(layout: Layout, steps: int = STEPS) -> TrainConfig:
     return TrainConfig(
-        layout=layout, model=model_config("test"), model_name="test", steps=steps,
+        layout=layout, model=model_spec("test"), steps=steps,
         dtype="float64", global_batch=8, micro_batches=4 if layout.pp == 4 else 0, seed=3,
     )
 
@@ -45,7 +45,7 @@ def _train_layouts(rank: int, world_size: int, layouts: list[str]) -> dict:
 
 def _keys_match(trainer: Trainer) -> bool:
     """The state lists exactly the logical tensors that the pure space places on this rank."""
-    space = GPTSpace(trainer.cfg.model, trainer.cfg.param_dtype)
+    space = state_space(trainer.cfg.model, trainer.cfg.param_dtype)
     placed = {t.key for t in space.tensors if holding(space, trainer.cfg.layout, trainer.par.coord, t) is not None}
     return list(trainer.state.tensors()) == [t.key for t in space.tensors if t.key in placed]
 

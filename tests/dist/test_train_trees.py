@@ -5,15 +5,14 @@ layout and across an online switch, and they really ran on trees."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardshift.layout import Layout
-from shardshift.train.config import TrainConfig, model_config
+from shardshift.models import model_spec
+from shardshift.train.config import TrainConfig
 from shardshift.train.run import tree_calls
 from shardshift.train.trainer import Trainer
 from support.cli import run_shardshift
@@ -29,7 +28,7 @@ LAYOUTS = ["dp=4", "fsdp=4", "dp=2,fsdp=2"]  # DDP, FSDP2, HSDP: axis groups of 
 
 
 def _config(layout: str, collectives: str) -> TrainConfig:
-    return TrainConfig(layout=Layout.parse(layout), model=model_config("test"), model_name="test", steps=2 * STEPS,
+    return TrainConfig(layout=Layout.parse(layout), model=model_spec("test"), steps=2 * STEPS,
                        dtype="float64", global_batch=8, seed=5, collectives=collectives,
                        topology=HETERO4 if collectives == "trees" else None)
 

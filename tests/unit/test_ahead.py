@@ -12,9 +12,9 @@ from shardshift.elastic.config import ElasticConfig
 from shardshift.elastic.worker import plan_change
 from shardshift.layout import Layout
 from shardshift.train.config import TrainConfig
-from shardshift.train.presets import ModelConfig
+from support.models import gpt
 
-SMALL = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+SMALL = gpt(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
 
 
 def test_work_started_ahead_runs_in_the_background_and_is_what_get_returns():
@@ -66,7 +66,7 @@ def test_work_that_failed_ahead_raises_its_error_where_the_result_is_needed():
 
 @pytest.mark.parametrize("leaving, joiners", [({2}, []), (set(), [4, 5]), ({0}, [4])])
 def test_a_change_planned_ahead_is_the_change_planned_at_the_boundary(leaving, joiners):
-    cfg = TrainConfig(layout=Layout(fsdp=4), model=SMALL, model_name="ahead-test", steps=4, global_batch=12)
+    cfg = TrainConfig(layout=Layout(fsdp=4), model=SMALL, steps=4, global_batch=12)
     ecfg = ElasticConfig(min_nproc=2, max_nproc=6,
                          layouts=((3, Layout(fsdp=3)), (5, Layout(dp=5)), (6, Layout(dp=3, fsdp=2))))
     args = (cfg, ecfg, (0, 1, 2, 3), Layout(fsdp=4), (0, 1, 2, 3), leaving, joiners, 1, "join", 7, 2)

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from shardshift.layout import Layout
+from shardshift.models import model_spec
 from shardshift.train.catalog import (
     FORMAT,
     PARTIAL_PREFIX,
@@ -20,9 +21,9 @@ from shardshift.train.catalog import (
     file_table,
     prunable,
 )
-from shardshift.train.config import TrainConfig, model_config
+from shardshift.train.config import TrainConfig
 
-CFG = TrainConfig(layout=Layout(fsdp=2), model=model_config("test"), model_name="test", steps=10, global_batch=4)
+CFG = TrainConfig(layout=Layout(fsdp=2), model=model_spec("test"), steps=10, global_batch=4)
 RUN = RunIdentity.of(CFG, "d" * 32)
 
 
@@ -49,8 +50,9 @@ def test_the_newest_intact_checkpoint_is_taken(tmp_path):
     (lambda p: (p / "__0_0.distcp").write_bytes(b"garbage" * 100), "__0_0.distcp is not what was written"),
     (lambda p: (p / "shardshift.json").unlink(), "it has no shardshift.json"),
     (lambda p: (p / "shardshift.json").write_text("{not json"), "shardshift.json cannot be read"),
-    (lambda p: (p / "shardshift.json").write_text('{"format": "training-state/1"}'), "lacks or garbles"),
-    (lambda p: _edit_manifest(p, files={".metadata": 12}), "lacks or garbles"),
+    (lambda p: (p / "shardshift.json").write_text('{"format": "training-state/1"}'), "lacks 'files'"),
+    (lambda p: _edit_manifest(p, files={".metadata": 12}), "has 'files' = {'.metadata': 12}, not a mapping"),
+    (lambda p: _edit_manifest(p, step="3"), "has 'step' = '3', not a step number"),
 ])
 def test_a_damaged_checkpoint_is_passed_over_with_the_reason(tmp_path, damage, reason):
     _checkpoint(tmp_path, 2)
@@ -80,7 +82,7 @@ def test_an_unfinished_save_is_named_and_passed_over(tmp_path):
     ({"seed": 1}, "--seed"),
     ({"global_batch": 8}, "--global-batch"),
     ({"dtype": "float64"}, "--dtype"),
-    ({"model_name": "tiny", "model": model_config("tiny")}, "--model"),
+    ({"model": model_spec("tiny")}, "--model"),
     ({"optim": dataclasses.replace(CFG.optim, lr=0.1)}, "--lr"),
 ])
 def test_another_runs_checkpoint_is_refused_naming_what_differs(tmp_path, change, named):

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from shardshift.layout import Layout, all_layouts
+from shardshift.models.space import state_space
 from shardshift.reshard.classes import NOTHING, KeptBytes, all_classes, classes_of
 from shardshift.reshard.plan import Assignment, choose_ranks, coord_holdings
 from shardshift.reshard.space import holding
-from shardshift.train.presets import ModelConfig
-from shardshift.train.space import GPTSpace
+from support.models import gpt
 
 # Uneven on purpose: 5 layers over pp=2 and pp=4, 13 positions over fsdp=4, 6 heads over tp=2 and tp=3.
-SPACE = GPTSpace(ModelConfig(n_layer=5, n_head=6, d_model=24, seq_len=13, d_ff=36, vocab_size=50), torch.float32)
+SPACE = state_space(gpt(n_layer=5, n_head=6, d_model=24, seq_len=13, d_ff=36, vocab_size=50), torch.float32)
 
 
 def _fits(layout: Layout) -> bool:

@@ -139,9 +139,10 @@ def test_train_argv_gives_back_the_configuration_it_was_made_from():
     from shardshift.cli.main import build_parser
     from shardshift.cli.train import config_from_args, train_argv
     from shardshift.layout import Layout
-    from shardshift.train.config import OptimConfig, TrainConfig, model_config
+    from shardshift.models import model_spec
+    from shardshift.train.config import OptimConfig, TrainConfig
 
-    base = dict(model=model_config("test"), model_name="test", steps=9, seed=5, dtype="float64", global_batch=8,
+    base = dict(model=model_spec("test"), steps=9, seed=5, dtype="float64", global_batch=8,
                 optim=OptimConfig(lr=1e-3, warmup_steps=2, grad_clip=0.5), log_every=3, switch_budget=1 << 20)
     configs = [
         TrainConfig(layout=Layout(fsdp=2, tp=2), stop_at=4, data="corpus.txt", save="ckpt", save_every=2,
@@ -245,10 +246,10 @@ BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error mu
       "--emulate-scale", "fast"], "--emulate-scale 'fast' is not a number"),
     (["bench", "collectives", "--op", "allreduce", "--preset", "full", "--nproc", "2", "--emulate",
       "--emulate-scale", "0"], "--emulate-scale 0 must be > 0"),
-    (["bench", "collectives", "--op", "allreduce", "--topology", "{badyaml}"], "topology file {badyaml} is not valid YAML"),
+    (["bench", "collectives", "--op", "allreduce", "--topology", "{badyaml}"], "--topology {badyaml}: not valid YAML"),
     (["bench", "collectives", "--op", "broadcast", "--nproc", "2", "--root", "5"], "--root 5 is not a rank"),
-    (["topo", "pack", "--topology", "{badyaml}", "--op", "broadcast"], "topology file {badyaml} is not valid YAML"),
-    (["topo", "pack", "--topology", "{dir}/none.yaml", "--op", "broadcast"], "cannot read topology file"),
+    (["topo", "pack", "--topology", "{badyaml}", "--op", "broadcast"], "--topology {badyaml}: not valid YAML"),
+    (["topo", "pack", "--topology", "{dir}/none.yaml", "--op", "broadcast"], "--topology {dir}/none.yaml: no such"),
     (["topo", "pack", "--preset", "ring", "--ranks", "1", "--op", "broadcast"], "--preset ring --ranks 1: n=1"),
     (["topo", "pack", "--preset", "dgx1v", "--gpus", "0,9", "--op", "reduce"], "--preset dgx1v --gpus 0,9: gpu 9"),
     (["topo", "pack", "--preset", "full", "--ranks", "3", "--op", "broadcast", "--root", "7"], "--root 7 is not a rank"),
@@ -277,3 +278,97 @@ def test_the_default_switches_belong_to_the_default_job_only():
     args = build_parser(["train"]).parse_args(["train", "--model", "test", "--global-batch", "8"])
     assert config_from_args(args, Layout(dp=2)).switches == ()
     assert [layout for _, layout in config_from_args(args, DEFAULT_LAYOUT).switches] == [Layout(tp=2, pp=2), Layout(fsdp=4)]
+
+
+# ---- files that are not the text they should be -----------------------------------------------------
+
+# Each kind of bad file, and what the one line says is wrong with it.
+UNREADABLE = {
+    "binary": "not UTF-8 text (byte 128 is 0x80)",
+    "latin1": "not UTF-8 text (byte 13 is 0xe9)",
+    "nul": "it holds NUL bytes, which text does not",
+    "empty": "the file is empty",
+    "dir": "a directory",
+    "unreadable": "cannot be read (",
+    "badyaml": "not valid YAML (expected ',' or ']', but got ':' at line 2, column 6)",
+    "badjson": "not valid JSON (Expecting value at line 1, column 17)",
+}
+
+
+def _unreadable(tmp, kind: str, name: str):
+    """A file (or directory) called `name` in `tmp` of the kind `kind` of `UNREADABLE`."""
+    path = tmp / name
+    content = {"binary": bytes(range(256)) * 16, "latin1": "name: lab-caf\xe9\n".encode("latin-1"),
+               "nul": b"name: lab\x00\n", "empty": b"", "badyaml": b"ranks: [0, 1\nlinks: [",
+               "badjson": b'{"hidden_size": '}.get(kind)
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "unreadable":  # reading it fails with EIO; as root, a mode of 000 would not stop the read
+        path.symlink_to("/proc/self/mem")
+    else:
+        path.write_bytes(content)
+    return path
+
+
+SIMULATE = ["simulate", "switch", "--ranks", "8", "--from", "dp=8", "--to", "tp=8"]
+# A command, the name its file gets, the kinds it is tried with, and how the error names the file.
+FILE_READERS = [
+    (["topo", "pack", "--op", "broadcast", "--topology", "{f}"], "lab.yaml", "--topology {f}: "),
+    (["topo", "show", "--topology", "{f}"], "lab.yaml", "--topology {f}: "),
+    (["topo", "draw", "--op", "allreduce", "-o", "{tmp}/t.png", "--topology", "{f}"], "lab.yaml", "--topology {f}: "),
+    (["bench", "collectives", "--op", "allreduce", "--topology", "{f}"], "lab.yaml", "--topology {f}: "),
+    (["bench", "train", "--topology", "{f}", "--emulate"], "lab.yaml", "--topology {f}: "),
+    # Checked by TrainConfig, which puts "--topology: " before what the topology's reader says.
+    (["bench", "train", "--topology", "{f}"], "lab.yaml", "--topology: topology file {f}: "),
+    (["train", "--collectives", "trees", "--topology", "{f}"], "lab.yaml", "--topology: topology file {f}: "),
+    ([*SIMULATE, "--model", "llama3-70b", "--cluster", "{f}"], "cluster.yaml", "--cluster {f}: "),
+    ([*SIMULATE, "--model", "{f}"], "spec.yaml", "--model {f}: "),
+    ([*SIMULATE, "--model", "{f}"], "config.json", "--model {f}: "),
+    (["train", "--data", "{f}"], "text.txt", "--data {f}: "),
+    (["plot", "{f}", "-o", "{tmp}/run.png"], "run.jsonl", "{f}: "),
+]
+TEXT_KINDS = ("binary", "latin1", "nul", "empty", "dir", "unreadable")
+FILE_CASES = [(argv, name, named, kind) for argv, name, named in FILE_READERS
+              for kind in TEXT_KINDS + {".yaml": ("badyaml",), ".json": ("badjson",)}.get(name[name.rfind("."):], ())]
+
+
+@pytest.mark.parametrize("argv, name, named, kind", FILE_CASES,
+                         ids=[f"{' '.join(x for x in a[:2] if x != '{f}')} {n} {k}" for a, n, _, k in FILE_CASES])
+def test_a_file_that_is_not_text_is_refused_in_one_line_naming_the_flag_and_the_file(
+        argv, name, named, kind, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing is written beside the tests
+    path = _unreadable(tmp_path, kind, name)
+    argv = [arg.format(f=path, tmp=tmp_path) for arg in argv]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("shardshift: error: ") and err.count("\n") == 1, err
+    assert f"shardshift: error: {named.format(f=path)}{UNREADABLE[kind]}" in err, err
+    assert "Traceback" not in out + err
+
+
+MANIFEST_CASES = [*[(kind, UNREADABLE[kind]) for kind in (*TEXT_KINDS, "badjson")],
+                  ("list", "holds a JSON list, not an object"),
+                  ("nofiles", "lacks 'files'"),
+                  ("badfiles", "has 'files' = 3, not a mapping of file name to [bytes, CRC-32]")]
+
+
+@pytest.mark.parametrize("command", ["train", "sample"])
+@pytest.mark.parametrize("kind, problem", MANIFEST_CASES, ids=[kind for kind, _ in MANIFEST_CASES])
+def test_a_checkpoint_whose_manifest_is_not_json_is_refused_naming_the_file(command, kind, problem, tmp_path,
+                                                                           capsys):
+    """--resume lists each checkpoint it passed over on a line of its own, after the line naming the flag."""
+    step = tmp_path / "step-00000003"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"")
+    shape = {"list": [1, 2], "nofiles": {"format": "training-state/1"},
+             "badfiles": {"format": "training-state/1", "run": {}, "layout": "dp=2", "step": 3, "files": 3}}
+    if kind in shape:
+        (step / "shardshift.json").write_text(json.dumps(shape[kind]))
+    else:
+        _unreadable(step, kind, "shardshift.json")
+    assert main([command, "--resume", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    what = problem if kind in shape else f"cannot be read: {problem}"
+    assert err.splitlines()[0] == f"shardshift: error: --resume {tmp_path}: no complete checkpoint in it:", err
+    assert f"\n  {step}: its shardshift.json {what}" in err, err
+    assert "damaged, or was not written by ShardShift" in err and "Traceback" not in out + err

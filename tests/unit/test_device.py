@@ -95,9 +95,10 @@ def test_the_command_line_refuses_cuda_without_a_gpu_per_rank_before_any_process
 def test_the_train_bench_names_the_groups_own_collectives_after_the_device(capsys):
     from shardshift.bench.train import Throughput, TrainBenchOptions, report
     from shardshift.layout import Layout
-    from shardshift.train.config import TrainConfig, model_config
+    from shardshift.models import model_spec
+    from shardshift.train.config import TrainConfig
 
-    base = TrainConfig(layout=Layout(), model=model_config("test"), model_name="test", steps=3)
+    base = TrainConfig(layout=Layout(), model=model_spec("test"), steps=3)
     opts = TrainBenchOptions(base=base, also=(), nproc=1, steps=1, rounds=1, warmup=0, timeout_s=60.0, json=False)
     rows = [Throughput(("ddp", "gloo"), 1, 1.0, 100.0), Throughput(("dp=1", "gloo"), 1, 1.0, 90.0)]
     for device, backend in (("cuda", "nccl"), ("cpu", "gloo")):

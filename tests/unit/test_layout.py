@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shardshift.layout import AXES, Layout, all_layouts
-from shardshift.train.config import TrainConfig, model_config
-from shardshift.train.presets import check_layout, stage_blocks
+from shardshift.models import model_spec
+from shardshift.reshard.training import stage_layers
+from shardshift.train.config import TrainConfig
 
 
 def test_parse_and_print_round_trip():
@@ -58,7 +59,7 @@ def test_ep_sits_between_fsdp_and_tp_and_splits_the_batch():
 
 def test_training_refuses_ep_saying_it_is_for_planning():
     with pytest.raises(ValueError, match="ep=2.*simulate"):
-        check_layout(Layout(ep=2), model_config("tiny"))
+        model_spec("tiny").check_layout(Layout(ep=2))
 
 
 def test_data_rank_covers_each_batch_slice_once_per_stage_and_tp():
@@ -81,18 +82,18 @@ def test_world_size_mismatch_says_what_would_do():
 
 
 def test_model_constraints():
-    tiny = model_config("tiny")
+    tiny = model_spec("tiny")
     with pytest.raises(ValueError, match=r"tp=3 does not divide n_head=8; choose tp in \{1, 2, 4, 8\}"):
-        check_layout(Layout(tp=3), tiny)
+        tiny.check_layout(Layout(tp=3))
     with pytest.raises(ValueError, match=r"pp=9 is larger than .* n_layer=8"):
-        check_layout(Layout(pp=9), tiny)
+        tiny.check_layout(Layout(pp=9))
     for layout in all_layouts(8):  # the default model takes every layout of up to 8 ranks
-        check_layout(layout, tiny)
+        tiny.check_layout(layout)
 
 
 def test_batch_constraints():
     def cfg(layout, **kw):
-        return TrainConfig(layout=Layout.parse(layout), model=model_config("tiny"), model_name="tiny", steps=1, **kw)
+        return TrainConfig(layout=Layout.parse(layout), model=model_spec("tiny"), steps=1, **kw)
 
     with pytest.raises(ValueError, match="--global-batch 2 leaves some of the dp\\*fsdp=3 data ranks without"):
         cfg("dp=3", global_batch=2)
@@ -109,7 +110,7 @@ def test_batch_constraints():
     assert cfg("pp=2").micro_batches == 4
 
 
-def test_stage_blocks_are_contiguous_and_as_even_as_possible():
-    assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
-    assert stage_blocks(5, 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
-    assert [b for r in stage_blocks(13, 5) for b in r] == list(range(13))
+def test_stage_layers_are_contiguous_and_as_even_as_possible():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(5, 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert [b for r in stage_layers(13, 5) for b in r] == list(range(13))

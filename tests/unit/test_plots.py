@@ -16,11 +16,12 @@ import pytest
 
 from shardshift.cli.main import main
 from shardshift.layout import Layout
+from shardshift.models import model_spec
 from shardshift.plots.bench import draw_collectives_bench, draw_switch_bench, draw_train_bench
 from shardshift.plots.canvas import parse_pixels
 from shardshift.plots.runs import draw_runs
 from shardshift.plots.topology import draw_packing
-from shardshift.train.config import TrainConfig, model_config
+from shardshift.train.config import TrainConfig
 from shardshift.train.run import Metrics, report_step
 from shardshift.train.switch import SwitchReport
 from shardshift.train.trainer import StepResult
@@ -37,7 +38,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 # ---- metrics files, written as the training run writes them -----------------------------------
 
-CFG = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=20, log_every=0)
+CFG = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=20, log_every=0)
 
 
 def _step(metrics: Metrics, layout: str, step: int, loss: float | None = None) -> None:
@@ -219,7 +220,8 @@ def test_the_command_writes_beside_the_first_file_by_default(tmp_path, capsys, m
     ('{"hello": 1}\n', "bad.jsonl:1: neither a step record"),
     ('{"step": 1, "loss": "low", "layout": "dp=4", "tokens_per_s": 5.0}\n', 'bad.jsonl:1: "loss" is \'low\''),
     ('{"event": "switch", "step": 3, "from": "dp=4", "to": "tp=4"}\n', "bad.jsonl: no step records"),
-    ("", "bad.jsonl: no step records"),
+    ("", "bad.jsonl: the file is empty"),
+    ("\n", "bad.jsonl: no step records"),
 ])
 def test_bad_input_is_one_line_naming_the_file_and_exit_2(tmp_path, capsys, content, needle):
     path = tmp_path / ("missing.jsonl" if content is None else "bad.jsonl")
@@ -231,7 +233,7 @@ def test_bad_input_is_one_line_naming_the_file_and_exit_2(tmp_path, capsys, cont
     assert err.startswith("shardshift: error: ") and err.count("\n") == 1
     assert needle in err, err
     assert not (tmp_path / "out.png").exists()
-    with pytest.raises(ValueError, match="no such file|not JSON|not an object|neither|expected|no step"):
+    with pytest.raises(ValueError, match="no such file|empty|not JSON|not an object|neither|expected|no step"):
         draw_runs([path], tmp_path / "out.png")
 
 
@@ -336,7 +338,7 @@ def test_switch_bench_table_says_how_many_cores_the_move_kept_busy(capsys):
     from shardshift.bench.switch import SwitchBenchOptions, report, summarise
 
     records = [summarise([t, t]) for t in switch_result()["transitions"]]
-    cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
+    cfg = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=3, global_batch=8)
     opts = SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4, budget=1 << 28,
                               p2p_bytes=1 << 20)
     result = report(opts, records, "cpu")
@@ -352,7 +354,7 @@ def test_switch_bench_draws_the_object_its_report_prints(tmp_path, capsys):
     from shardshift.bench.switch import SwitchBenchOptions, report, summarise
 
     records = [summarise([t, t]) for t in switch_result()["transitions"]]
-    cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
+    cfg = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=3, global_batch=8)
     opts = SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4, budget=1 << 28,
                               p2p_bytes=1 << 20, json=True)
     result = report(opts, records, "cpu")
@@ -394,7 +396,7 @@ def test_collectives_bench_lines_per_implementation_with_the_bound_dashed(tmp_pa
 def test_train_bench_bars_per_layout_grouped_by_further_columns(tmp_path, capsys):
     from shardshift.bench.train import Throughput, TrainBenchOptions, report
 
-    base = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=11)
+    base = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=11)
     opts = TrainBenchOptions(base=base, also=(Layout(fsdp=4),), json=True)
     result = report(opts, [Throughput(("ddp", "gloo"), 9, 1.0, 900.0), Throughput(("dp=4", "gloo"), 9, 1.0, 800.0),
                            Throughput(("fsdp=4", "gloo"), 9, 2.0, 450.0)], "cpu")
@@ -423,13 +425,13 @@ def test_only_rank_0_draws_the_report_it_printed(tmp_path, capsys, monkeypatch, 
     proc = type("Proc", (), {"rank": rank, "device_type": "cpu"})
     records = [switch.summarise([t]) for t in switch_result()["transitions"]]
     monkeypatch.setattr(switch, "run_in_group", lambda timeout_s, body: (proc, records))
-    cfg = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=3, global_batch=8)
+    cfg = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=3, global_batch=8)
     opts = switch.SwitchBenchOptions(chain=(Layout(dp=4), Layout(fsdp=4), Layout(tp=4)), cfg=cfg, nproc=4,
                                      budget=1 << 28, p2p_bytes=1 << 20, plot=tmp_path / "switch.png")
     assert switch.run_rank(opts) == 0
     results = [train.Throughput(("ddp", "gloo"), 9, 1.0, 900.0), train.Throughput(("dp=4", "gloo"), 9, 1.0, 800.0)]
     monkeypatch.setattr(train, "run_in_group", lambda timeout_s, body: (proc, results))
-    base = TrainConfig(layout=Layout(dp=4), model=model_config("test"), model_name="test", steps=11)
+    base = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=11)
     assert train.run_rank(train.TrainBenchOptions(base=base, plot=tmp_path / "train.png")) == 0
     err = capsys.readouterr().err
     for name in ("switch.png", "train.png"):

@@ -21,20 +21,21 @@ from shardshift.elastic.policy import (
     step_features,
 )
 from shardshift.layout import Layout, all_layouts
-from shardshift.train.config import TrainConfig, model_config
-from shardshift.train.presets import ModelConfig
-from shardshift.train.space import GPTSpace
+from shardshift.models import model_spec
+from shardshift.models.space import state_space
+from shardshift.train.config import TrainConfig
+from support.models import gpt
 
-SMALL = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+SMALL = gpt(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
 
 
-def config(model: ModelConfig = SMALL, **kw) -> TrainConfig:
+def config(model = SMALL, **kw) -> TrainConfig:
     kw.setdefault("global_batch", 8)
-    return TrainConfig(layout=Layout(), model=model, model_name="policy-test", steps=1, **kw)
+    return TrainConfig(layout=Layout(), model=model, steps=1, **kw)
 
 
 def param_bytes(cfg: TrainConfig) -> int:
-    space = GPTSpace(cfg.model, cfg.param_dtype)
+    space = state_space(cfg.model, cfg.param_dtype)
     return sum(t.nbytes for t in space.tensors if t.kind == "param")
 
 
@@ -52,13 +53,13 @@ def test_replication_holds_the_whole_model_four_times():
 def test_fsdp_holds_about_one_nth():
     cfg = config()
     whole = 4 * param_bytes(cfg)
-    space = GPTSpace(SMALL, cfg.param_dtype)
+    space = state_space(SMALL, cfg.param_dtype)
     rows = sum(4 * t.nbytes // t.shape[0] for t in space.tensors if t.kind == "param")  # a row of each
     for n in (2, 3, 4):
         layout = Layout(fsdp=n)
         state = state_bytes_per_rank(cfg, layout) - activation_bytes(cfg, layout)[0]
         assert whole / n <= state <= whole / n + rows  # torch.chunk: at most one row more per tensor
-    base = config(model_config("base"), global_batch=12)
+    base = config(model_spec("base"), global_batch=12)
     whole = 4 * param_bytes(base)
     state = state_bytes_per_rank(base, Layout(fsdp=4)) - activation_bytes(base, Layout(fsdp=4))[0]
     assert state == pytest.approx(whole / 4, rel=1e-3)
@@ -82,8 +83,8 @@ def test_activation_estimate_by_hand():
 
 
 def test_step_features_by_hand():
-    base = config(model_config("base"), global_batch=12)
-    p = model_config("base").num_params()
+    base = config(model_spec("base"), global_batch=12)
+    p = model_spec("base").num_params()
     f = step_features(base, Layout(dp=2, fsdp=2))
     assert f.compute == 6 * p * 3 * 256
     assert f.comm_bytes == pytest.approx(4 * p * (2 * 0.5 / 2 + 3 * 0.5), rel=1e-6)
@@ -96,7 +97,7 @@ def test_step_features_by_hand():
 
 
 def test_default_is_in_the_measured_ballpark():
-    base = config(model_config("base"), global_batch=12)
+    base = config(model_spec("base"), global_batch=12)
     seconds = DEFAULT.predict(step_features(base, Layout(dp=2, fsdp=2)))
     assert 8 < seconds < 32  # measured: about 16 s on 2 cores
 
@@ -117,7 +118,7 @@ def test_memory_limit_excludes_replicated_layouts():
 
 
 def test_one_observation_is_reproduced():
-    cfg = config(model_config("base"), global_batch=12)
+    cfg = config(model_spec("base"), global_batch=12)
     fitted = calibrate([(cfg, Layout(dp=2, fsdp=2), 16.0)])
     assert fitted.predict(step_features(cfg, Layout(dp=2, fsdp=2))) == pytest.approx(16.0, rel=1e-12)
     ratios = np.array(fitted.coefficients) / np.array(DEFAULT.coefficients)
@@ -155,7 +156,7 @@ def test_several_observations_recover_the_model():
 
 
 def test_cheap_bandwidth_replicates_and_dear_bandwidth_communicates_less():
-    base = config(model_config("base"), global_batch=12)
+    base = config(model_spec("base"), global_batch=12)
     assert choose_layout(4, base, CostModel(1e-12, 0.0, 1e-2), None) == Layout(dp=4)  # the fewest calls
     dear = choose_layout(4, base, CostModel(1e-15, 1e-6, 0.0), None)
     valid = [layout for layout, seconds, _, _ in explain(4, base, DEFAULT, None) if seconds is not None]
@@ -175,7 +176,7 @@ def test_ties_are_broken_deterministically():
 
 
 def test_layouts_predicted_within_a_few_percent_of_the_best_go_to_the_simplest():
-    base = config(model_config("base"), global_batch=12)
+    base = config(model_spec("base"), global_batch=12)
     rows = [(layout, seconds) for layout, seconds, _, why in explain(4, base, DEFAULT, None) if not why]
     best = rows[0][1]
     chosen = choose_layout(4, base, DEFAULT, None)

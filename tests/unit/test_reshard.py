@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout, all_layouts
+from shardshift.models.space import state_space
 from shardshift.reshard.plan import (
     Assignment,
     axis_orders,
@@ -28,8 +29,7 @@ from shardshift.reshard.plan import (
 )
 from shardshift.reshard.schedule import build_schedule
 from shardshift.reshard.space import Box, Split, chunk_range
-from shardshift.train.presets import ModelConfig
-from shardshift.train.space import GPTSpace
+from support.models import gpt
 
 
 @given(size=st.integers(0, 50), parts=st.integers(1, 9))
@@ -83,13 +83,13 @@ def _pieces(tensors, boxes):
 
 
 models = st.builds(
-    lambda layers, heads, width, seq, ff: ModelConfig(n_layer=layers, n_head=heads, d_model=heads * width, seq_len=seq, d_ff=ff, vocab_size=37),
+    lambda layers, heads, width, seq, ff: gpt(n_layer=layers, n_head=heads, d_model=heads * width, seq_len=seq, d_ff=ff, vocab_size=37),
     st.integers(1, 5), st.sampled_from([1, 2, 4]), st.integers(1, 5), st.integers(1, 11), st.sampled_from([4, 8, 12, 24]),
 )
 
 
 def _valid(cfg, world):
-    space = GPTSpace(cfg, torch.float32)
+    space = state_space(cfg, torch.float32)
     out = []
     for layout in all_layouts(world):
         try:
@@ -104,7 +104,7 @@ def _valid(cfg, world):
 @given(cfg=models, world=st.sampled_from([4, 6, 8]), data=st.data(),
        budget=st.sampled_from([4 << 10, 16 << 10, 1 << 20]))
 def test_plan_moves_every_element_exactly_where_it_belongs(cfg, world, data, budget):
-    space = GPTSpace(cfg, torch.float32)
+    space = state_space(cfg, torch.float32)
     layouts = _valid(cfg, world)
     old_layout, new_layout = data.draw(st.sampled_from(layouts)), data.draw(st.sampled_from(layouts))
     old = Assignment(old_layout, data.draw(st.sampled_from(axis_orders(old_layout))))
@@ -135,7 +135,7 @@ def test_plan_moves_every_element_exactly_where_it_belongs(cfg, world, data, bud
 def test_a_world_that_grows_or_shrinks_ends_with_every_piece(cfg, old_world, new_world, data, budget):
     """The old world's processes and the new one's, planned together: processes that join hold
     nothing before, those that leave nothing after, and every new piece is exactly its slice."""
-    space = GPTSpace(cfg, torch.float32)
+    space = state_space(cfg, torch.float32)
     old_layouts, new_layouts = _valid(cfg, old_world), _valid(cfg, new_world)
     if not old_layouts or not new_layouts:
         return
@@ -160,8 +160,8 @@ def test_a_world_that_grows_or_shrinks_ends_with_every_piece(cfg, old_world, new
 
 
 def test_a_crash_takes_each_piece_from_a_surviving_copy_or_names_what_is_gone():
-    cfg = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
-    space = GPTSpace(cfg, torch.float32)
+    cfg = gpt(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+    space = state_space(cfg, torch.float32)
     old = Assignment(Layout.parse("dp=2,fsdp=2"), (0, 1, 2, 3))  # 0 and 2, 1 and 3 are replicas
     plan = plan_transition(space, old, Layout.parse("fsdp=3"), members=[0, 2, 3], lost=[1])
     assert all(seg.src != 1 for seg in plan.segments)
@@ -182,7 +182,7 @@ def test_with_redundancy_k_any_k_crashes_lose_nothing(cfg, world, k, data):
     """`copy_duties` gives every parameter piece K + 1 holders, so any K lost processes leave a
     copy of every piece: the survivors' plan takes them from replicas and copies, moves the
     fewest bytes, and every survivor ends with exactly its new pieces."""
-    space = GPTSpace(cfg, torch.float32)
+    space = state_space(cfg, torch.float32)
     layouts = _valid(cfg, world)
     old = Assignment.identity(data.draw(st.sampled_from(layouts), label="old"))
     duties = copy_duties(space, old, k)
@@ -207,8 +207,8 @@ def test_with_redundancy_k_any_k_crashes_lose_nothing(cfg, world, k, data):
 
 
 def test_copies_are_kept_only_where_replicas_do_not_already_count():
-    cfg = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
-    space = GPTSpace(cfg, torch.float32)
+    cfg = gpt(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+    space = state_space(cfg, torch.float32)
     fsdp = copy_duties(space, Assignment.identity(Layout(fsdp=4)), 1)
     boxes = holdings_of(space, Assignment.identity(Layout(fsdp=4)))
     pieces = {(r, t.key.removeprefix("param:")) for i, t in enumerate(space.tensors) if t.key.startswith("param:")
@@ -229,7 +229,7 @@ def test_copies_are_kept_only_where_replicas_do_not_already_count():
 @given(cfg=models, data=st.data(), scale=st.sampled_from([4, 16]))
 def test_memory_stays_within_the_budget(cfg, data, scale):
     """With a budget of a few pieces, no rank exceeds max(old, new) + budget + one piece."""
-    space = GPTSpace(cfg, torch.float32)
+    space = state_space(cfg, torch.float32)
     layouts = _valid(cfg, 4)
     old_layout, new_layout = data.draw(st.sampled_from(layouts)), data.draw(st.sampled_from(layouts))
     plan = plan_transition(space, Assignment.identity(old_layout), new_layout)
@@ -243,8 +243,8 @@ def test_memory_stays_within_the_budget(cfg, data, scale):
 
 
 def test_same_layout_moves_nothing_and_replication_sends_nothing():
-    cfg = ModelConfig(n_layer=3, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
-    space = GPTSpace(cfg, torch.float64)
+    cfg = gpt(n_layer=3, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+    space = state_space(cfg, torch.float64)
     for layout in _valid(cfg, 4):
         assert plan_transition(space, Assignment.identity(layout), layout).bytes_moved == 0
         # Every rank of dp=4 holds everything: any layout is reached without a message.
@@ -252,8 +252,8 @@ def test_same_layout_moves_nothing_and_replication_sends_nothing():
 
 
 def test_assignment_keeps_more_than_the_fixed_order():
-    cfg = ModelConfig(n_layer=4, n_head=4, d_model=16, seq_len=8, d_ff=32, vocab_size=64)
-    space = GPTSpace(cfg, torch.float32)
+    cfg = gpt(n_layer=4, n_head=4, d_model=16, seq_len=8, d_ff=32, vocab_size=64)
+    space = state_space(cfg, torch.float32)
     gains = 0
     for a in _valid(cfg, 4):
         for b in _valid(cfg, 4):
@@ -266,16 +266,16 @@ def test_assignment_keeps_more_than_the_fixed_order():
 
 
 def test_replicas_share_the_sending():
-    cfg = ModelConfig(n_layer=2, n_head=4, d_model=8, seq_len=4, d_ff=16, vocab_size=32)
-    plan = plan_transition(GPTSpace(cfg, torch.float32), Assignment.identity(Layout(dp=2, fsdp=2)), Layout(tp=4))
+    cfg = gpt(n_layer=2, n_head=4, d_model=8, seq_len=4, d_ff=16, vocab_size=32)
+    plan = plan_transition(state_space(cfg, torch.float32), Assignment.identity(Layout(dp=2, fsdp=2)), Layout(tp=4))
     # Ranks 0 and 2 hold the same fsdp half (as do 1 and 3): all four send, and evenly.
     sent = [plan.sent_bytes(rank) for rank in range(4)]
     assert min(sent) > 0 and max(sent) <= 1.5 * min(sent), sent
 
 
 def test_bad_requests_are_refused_with_what_to_do():
-    cfg = ModelConfig(n_layer=2, n_head=2, d_model=8, seq_len=4, d_ff=16, vocab_size=32)
-    space = GPTSpace(cfg, torch.float32)
+    cfg = gpt(n_layer=2, n_head=2, d_model=8, seq_len=4, d_ff=16, vocab_size=32)
+    space = state_space(cfg, torch.float32)
     old = Assignment.identity(Layout(dp=4))
     with pytest.raises(ValueError, match="choose tp in"):
         plan_transition(space, old, Layout(tp=4))

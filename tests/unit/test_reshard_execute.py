@@ -14,16 +14,16 @@ import torch
 from shardshift.comm import Deadline, TransferError, Transport
 from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout
+from shardshift.models.space import state_space
 from shardshift.reshard.execute import PHASES, Copy, RoundWork, SwitchProgram, compile_program, run_program
 from shardshift.reshard.plan import Assignment, holdings_of, plan_transition
 from shardshift.reshard.schedule import ALIGN, build_schedule
 from shardshift.reshard.space import Box
-from shardshift.train.presets import ModelConfig
-from shardshift.train.space import GPTSpace
 from support.local_group import LocalGroup, run_ranks
+from support.models import gpt
 
 # Uneven on purpose: 13 positions over 4 shards, 5 layers over pp=2.
-CFG = ModelConfig(n_layer=5, n_head=4, d_model=24, seq_len=13, d_ff=40, vocab_size=37)
+CFG = gpt(n_layer=5, n_head=4, d_model=24, seq_len=13, d_ff=40, vocab_size=37)
 
 
 def _full(tensor, index: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _run(schedule, rank: int, group, source: _Source) -> tuple[_Sink, object]:
 @pytest.mark.parametrize("old, new", [("dp=4", "fsdp=2,tp=2"), ("fsdp=4", "tp=2,pp=2"), ("pp=2,tp=2", "dp=2,fsdp=2"),
                                       ("tp=4", "pp=4")])
 def test_every_new_piece_is_its_slice_of_the_logical_tensor(old, new):
-    space = GPTSpace(CFG, torch.float32)
+    space = state_space(CFG, torch.float32)
     fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
     plan = plan_transition(space, Assignment.identity(Layout.parse(old)), Layout.parse(new))
     schedule = build_schedule(plan, 8 << 10)  # small: many rounds
@@ -108,7 +108,7 @@ def test_a_whole_piece_kept_is_handed_over_not_copied_and_still_sent_from(owned)
     the other, over many rounds. Where the old pieces own their storage, the new pieces take their
     memory (same addresses, nothing copied) and later sends read the same bytes from there; where
     they are views of one buffer (as a padded shard is), they are copied."""
-    space = GPTSpace(CFG, torch.float32)
+    space = state_space(CFG, torch.float32)
     fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
     plan = plan_transition(space, Assignment.identity(Layout(pp=2)), Layout(dp=2))
     schedule = build_schedule(plan, 8 << 10)
@@ -148,7 +148,7 @@ def test_a_whole_piece_kept_is_handed_over_not_copied_and_still_sent_from(owned)
 def test_a_lost_process_s_pieces_come_from_the_copies_survivors_keep():
     """fsdp=4 with --redundancy 1 (each rank's pieces copied on the next); rank 1 is lost and the
     three others go to fsdp=3: rank 2 sends (and keeps) rank 1's pieces from its copies."""
-    space = GPTSpace(CFG, torch.float32)
+    space = state_space(CFG, torch.float32)
     fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
     old = Assignment.identity(Layout(fsdp=4))
     boxes = holdings_of(space, old)
@@ -174,7 +174,7 @@ def test_a_lost_process_s_pieces_come_from_the_copies_survivors_keep():
 
 
 def test_a_peer_that_never_comes_fails_the_round_naming_it():
-    space = GPTSpace(CFG, torch.float32)
+    space = state_space(CFG, torch.float32)
     plan = plan_transition(space, Assignment.identity(Layout(fsdp=2)), Layout(tp=2))
     program = compile_program(build_schedule(plan, 64 << 10), 0)
     source = _Source({t: _slice(_full(space.tensors[t], t), box).clone()

@@ -16,28 +16,28 @@ import torch
 
 from shardshift.cli.main import main
 from shardshift.layout import Layout
+from shardshift.models import model_spec
+from shardshift.models.space import state_space
 from shardshift.reshard.execute import compile_program
 from shardshift.reshard.plan import Assignment, plan_transition
 from shardshift.reshard.schedule import build_schedule
 from shardshift.simulate.cluster import Cluster, HostMemory, cluster_from_dict, load_cluster, predict
 from shardshift.simulate.space import SpecSpace
-from shardshift.simulate.specs import ModelSpec
+from shardshift.simulate.specs import DecoderSpec
 from shardshift.simulate.switch import model_space, simulate_switch
 from shardshift.train.config import TrainConfig
-from shardshift.train.presets import PRESETS
-from shardshift.train.space import gpt_space
 
 ROOT = Path(__file__).resolve().parents[2]
 # A mixture-of-experts model small enough to list every segment of a 256-rank switch.
-MOE = SpecSpace(ModelSpec(name="small-moe", hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+MOE = SpecSpace(DecoderSpec(name="small-moe", hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
                           num_key_value_heads=4, intermediate_size=96, vocab_size=100, num_experts=16,
                           num_experts_per_tok=2, moe_intermediate_size=32, qk_norm=True))
 
 
 @pytest.mark.parametrize("old, new", [("dp=4", "fsdp=4"), ("fsdp=2,tp=2", "tp=2,pp=2"), ("pp=4", "dp=2,fsdp=2")])
 def test_a_simulated_four_rank_switch_is_the_plan_and_schedule_a_real_switch_runs(old, new):
-    cfg = TrainConfig(layout=Layout.parse(old), model=PRESETS["test"], model_name="test", steps=1)
-    real = plan_transition(gpt_space(cfg.model, cfg.param_dtype), Assignment.identity(cfg.layout), Layout.parse(new))
+    cfg = TrainConfig(layout=Layout.parse(old), model=model_spec("test"), steps=1)
+    real = plan_transition(state_space(cfg.model, cfg.param_dtype), Assignment.identity(cfg.layout), Layout.parse(new))
     sim = simulate_switch(model_space("test"), cfg.layout, Layout.parse(new), Cluster(hosts=1, gpus_per_host=4))
     assert sim.plan.segments == real.segments and sim.plan.new == real.new
     assert sim.schedule.rounds == build_schedule(real).rounds
@@ -79,7 +79,7 @@ def test_the_alpha_beta_model_times_a_round_by_its_busiest_gpu_and_nic():
     # on the other host through one NIC per host.
     cluster = Cluster(hosts=2, gpus_per_host=2, nics_per_host=1, intra_bandwidth=4e9, nic_bandwidth=1e9,
                       intra_latency=0.0, latency=0.0, copy_bandwidth=1e18)
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     sim = simulate_switch(space, Layout(fsdp=4), Layout(dp=4), cluster, budget=1 << 40)
     quarter = sim.plan.received[0] // 3  # a rank's quarter of the state, arriving from each of 3 peers
@@ -93,7 +93,7 @@ def test_the_alpha_beta_model_times_a_round_by_its_busiest_gpu_and_nic():
 def test_a_host_moves_at_most_its_own_bandwidth():
     # One host of four GPUs whose switch carries 4 GB/s in all: fsdp=4 -> dp=4 moves 12 quarters
     # inside it, so the switch, not a GPU's port (3 quarters each), decides.
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, intra_latency=0.0, copy_bandwidth=1e18)
     shared = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, host_bandwidth=4e9, intra_latency=0.0,
@@ -107,7 +107,7 @@ def test_a_cpu_host_s_rank_passes_its_bytes_in_and_out_together():
     # fsdp=4 -> dp=4: every rank sends its quarter to three peers and takes three quarters in. A
     # GPU's port moves both at once (3 quarters' time); a CPU rank's process handles both ends on
     # the cores (6 quarters' time at the same rate), the host's cores and links set free here.
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     gpus = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, intra_latency=0.0, copy_bandwidth=1e18)
     cpu = dataclasses.replace(gpus, host_cores=1 << 20)
@@ -122,7 +122,7 @@ def test_copies_take_turns_on_a_cpu_host_s_cores_and_a_whole_piece_kept_costs_no
     # dp=4 -> fsdp=4 only copies: each rank a quarter of its replica. On 2 cores shared by 4 ranks
     # the copies take twice as long as on 4 GPUs copying apart; fsdp=2,tp=2 -> itself keeps
     # every piece whole, which is handed over.
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     apart = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=4e9, intra_latency=0.0, copy_bandwidth=1e9)
     cores = dataclasses.replace(apart, host_cores=2)
@@ -143,7 +143,7 @@ def test_each_end_of_a_piece_costs_the_host_its_handling():
     # With copies and links free, a switch costs only its pieces' handling: dp=4 -> fsdp=4 copies
     # one piece of each tensor a rank; fsdp=4 -> dp=4 has each rank cut its quarter of a sharded
     # tensor out for three peers and fill three quarters from them beside its own.
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18)
     handled = dataclasses.replace(free, piece_seconds=1e-3)
@@ -168,7 +168,7 @@ def test_a_cpu_host_books_each_message_end_and_the_freeing_of_old_pieces_on_its_
     # end and for the old pieces freed (not the bytes of a piece kept whole: they become the new
     # piece), all ranks' on the host's two cores. The expected figures come from the executor's
     # own program of each rank, not from the model.
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18, host_cores=2)
     messages = dataclasses.replace(free, message_host_seconds=1e-3)
@@ -226,7 +226,7 @@ def test_a_cpu_host_writes_new_pieces_on_fresh_pages_beyond_the_room_its_allocat
     # two cores. Each rank's allocator starts with some free memory; a new piece takes it while
     # it lasts and fresh pages beyond; old pieces freed go back to the kernel at the mapped-apart
     # share, the rest is room for the next rounds' pieces. Expected from the executor's programs.
-    space = SpecSpace(ModelSpec(name="d", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18, host_cores=2)
     pages = dataclasses.replace(free, fresh_page_bandwidth=1e6, free_bandwidth=4e6)

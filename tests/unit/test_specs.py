@@ -12,14 +12,14 @@ import pytest
 
 from shardshift.layout import Coord, Layout, divisors
 from shardshift.reshard.space import Box, holding
+from shardshift.reshard.training import PROGRESS_KEY, RNG_KEY, uses_fsdp
 from shardshift.simulate.space import SpecSpace, check_memory, state_bytes
-from shardshift.simulate.specs import ModelSpec, load_spec, shipped_specs
-from shardshift.train.space import PROGRESS_KEY, RNG_KEY, uses_fsdp
+from shardshift.simulate.specs import DecoderSpec, load_spec, shipped_specs
 
-DENSE = SpecSpace(ModelSpec(name="tiny-dense", hidden_size=8, num_hidden_layers=3, num_attention_heads=4,
+DENSE = SpecSpace(DecoderSpec(name="tiny-dense", hidden_size=8, num_hidden_layers=3, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=12, vocab_size=10))
 # Tied, with q/k norms and a head_dim that is not hidden/heads; 10 tokens split unevenly over tp=4.
-MOE = SpecSpace(ModelSpec(name="tiny-moe", hidden_size=8, num_hidden_layers=3, num_attention_heads=4,
+MOE = SpecSpace(DecoderSpec(name="tiny-moe", hidden_size=8, num_hidden_layers=3, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=3, intermediate_size=12, vocab_size=10,
                           tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=6, qk_norm=True))
@@ -230,7 +230,7 @@ def test_invalid_specs_are_refused(change, message):
     base = dict(name="x", hidden_size=8, num_hidden_layers=2, num_attention_heads=4, intermediate_size=12,
                 vocab_size=10)
     with pytest.raises(ValueError, match=message):
-        ModelSpec(**base | change)
+        DecoderSpec(**base | change)
 
 
 def test_a_config_error_names_the_file(tmp_path):

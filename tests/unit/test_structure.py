@@ -18,16 +18,16 @@ from support import REPO
 PACKAGE = REPO / "shardshift"
 
 # Each layer may import itself and the layers listed after it (docs/architecture.md).
-LAYERS = ["cli", "bench", "netemu", "elastic", "simulate", "train", "reshard", "plots", "collectives", "comm", "base"]
-BASE = {"layout", "units", "console", "launch", "runtime", "_exports", "__init__", "data"}
+LAYERS = ["cli", "bench", "netemu", "elastic", "simulate", "train", "models", "reshard", "plots", "collectives", "comm", "base"]
+BASE = {"layout", "units", "textfile", "console", "launch", "runtime", "_exports", "__init__", "data"}
 # What harnesses above may use of the layers they sit beside (never the other way round):
 # the switch bench starts its restart baseline with the train command's own argument builder.
 SIDEWAYS = {("bench", "netemu"), ("netemu", "collectives"), ("bench", "cli")}
 # Pure planning: usable with no process group.
 PURE = ["collectives/planning", "collectives/topology/model.py", "collectives/topology/io.py",
         "collectives/topology/spec.py", "collectives/topology/presets.py", "collectives/execution/program.py",
-        "reshard/space.py", "reshard/plan.py", "reshard/schedule.py", "train/space.py", "layout.py", "units.py",
-        "train/catalog.py", "train/presets.py", "elastic/config.py", "simulate/specs.py", "simulate/space.py",
+        "reshard/space.py", "reshard/plan.py", "reshard/schedule.py", "reshard/training.py", "layout.py", "units.py",
+        "train/catalog.py", "models/spec.py", "models/gpt/spec.py", "models/gpt/config.py", "elastic/config.py", "simulate/specs.py", "simulate/space.py",
         "simulate/cluster.py", "simulate/switch.py"]
 
 

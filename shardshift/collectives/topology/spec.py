@@ -29,6 +29,8 @@ from shardshift.units import parse_rate
 
 PROBE = "probe"
 DEFAULT_SPEC = "full"
+_NAMED = ("full", "ring", "dgx1v", "fat-tree", PROBE)  # spec names, before paths
+FILE = "topology file"  # how errors name a topology file given in a spec (the flag is the caller's)
 
 
 def is_probe(spec: str) -> bool:
@@ -40,31 +42,36 @@ def topology_from_spec(spec: str, num_ranks: int) -> Topology:
     text = spec.strip()
     name, _, arg = text.partition(":")
     key = name.lower().replace("_", "-")
-    try:
-        if key == "full":
-            return full(num_ranks, **({"bandwidth": parse_rate(arg)} if arg else {}))
-        if key == "ring":
-            if num_ranks < 2:
-                return full(num_ranks)
-            return ring(num_ranks, **({"bandwidth": parse_rate(arg)} if arg else {}))
-        if key == "dgx1v":
-            gpus = [int(g) for g in arg.split(",") if g.strip()] if arg else list(range(num_ranks))
-            topology = dgx1v(gpus)
-        elif key == "fat-tree":
-            topology = fat_tree(num_ranks)
-        elif key == PROBE:
-            raise ValueError("'probe' is measured on a running group: call probe.probe_topology(group)")
-        elif os.path.exists(text):
-            topology = load_topology(text)
-        else:
-            raise ValueError(f"no file {text!r}")
-    except ValueError as err:
-        raise ValueError(f"topology {spec!r}: {err}; give full[:RATE], ring[:RATE], dgx1v[:GPUS], "
-                         "fat-tree, probe, or the path of a YAML topology file") from None  # fmt: skip
+    if key not in _NAMED and os.path.exists(text):
+        topology = load_topology(text, FILE)  # its errors name the file and what it should be
+    else:
+        try:
+            topology = _named(key, arg, text, num_ranks)
+        except ValueError as err:
+            raise ValueError(f"topology {spec!r}: {err}; give full[:RATE], ring[:RATE], dgx1v[:GPUS], "
+                             "fat-tree, probe, or the path of a YAML topology file") from None  # fmt: skip
     if topology.num_ranks != num_ranks:
         raise ValueError(f"topology {spec!r} has {topology.num_ranks} ranks but the group has {num_ranks}; "
                          f"give one rank per group member (e.g. dgx1v:{','.join(map(str, range(num_ranks)))})")
     return topology
+
+
+def _named(key: str, arg: str, text: str, num_ranks: int) -> Topology:
+    """The preset `key` (with its argument `arg`) for `num_ranks` ranks."""
+    if key == "full":
+        return full(num_ranks, **({"bandwidth": parse_rate(arg)} if arg else {}))
+    if key == "ring":
+        if num_ranks < 2:
+            return full(num_ranks)
+        return ring(num_ranks, **({"bandwidth": parse_rate(arg)} if arg else {}))
+    if key == "dgx1v":
+        gpus = [int(g) for g in arg.split(",") if g.strip()] if arg else list(range(num_ranks))
+        return dgx1v(gpus)
+    if key == "fat-tree":
+        return fat_tree(num_ranks)
+    if key == PROBE:
+        raise ValueError("'probe' is measured on a running group: call probe.probe_topology(group)")
+    raise ValueError(f"no file {text!r}")
 
 
 def group_topology(spec: str | Topology, global_ranks: list[int], world_size: int) -> Topology:
@@ -79,7 +86,7 @@ def group_topology(spec: str | Topology, global_ranks: list[int], world_size: in
     elif whole or not os.path.exists(spec.strip()):
         return topology_from_spec(spec, size)
     else:
-        topology = load_topology(spec.strip())
+        topology = load_topology(spec.strip(), FILE)
     if topology.num_ranks == size:
         return topology
     if topology.num_ranks != world_size:
