@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardshift.textfile import read_text
+
 MEMBERSHIP_KINDS = ("join", "leave", "crash")
 _FORMAT = "a --metrics file of `shardshift train` holds one JSON object per line"
 
@@ -81,14 +83,7 @@ class RunHistory:
 
 def read_history(path: Path) -> RunHistory:
     """The run `path` records; ValueError names the file (and line) that cannot be read."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file; give the file `shardshift train --metrics FILE` wrote") from None
-    except OSError as err:
-        raise ValueError(f"{path}: cannot be read ({err.strerror or err}); give a readable metrics file") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text; {_FORMAT}") from None
+    lines = read_text(path, None, "the file `shardshift train --metrics FILE` wrote").splitlines()
     steps: dict[int, StepPoint] = {}
     events: list[RunEvent] = []
     for number, line in enumerate(lines, 1):

@@ -20,15 +20,17 @@ import gzip
 import hashlib
 import importlib.resources
 import zlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from shardshift.textfile import decode_text, read_bytes
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_CORPUS = "shakespeare.txt.gz"
+TEXT = "a text file"  # what --data must be, for messages
 
 
 def encode(text: str) -> np.ndarray:
@@ -56,15 +58,7 @@ def load_tokens(path: str | None) -> np.ndarray:
     if path is None:
         raw = importlib.resources.files("shardshift.data").joinpath(DEFAULT_CORPUS).read_bytes()
         return np.frombuffer(gzip.decompress(raw), dtype=np.uint8)
-    file = Path(path)
-    if file.is_dir():
-        raise ValueError(f"--data {path}: a directory; give the path of a text file")
-    if not file.is_file():
-        raise ValueError(f"--data {path}: no such file; give the path of a text file")
-    try:
-        raw = file.read_bytes()
-    except OSError as err:
-        raise ValueError(f"--data {path}: cannot be read ({err.strerror}); check its permissions") from None
+    raw = read_bytes(path, "--data", TEXT)
     if path.endswith(".gz"):
         try:
             raw = gzip.decompress(raw)
@@ -75,15 +69,7 @@ def load_tokens(path: str | None) -> np.ndarray:
     if kind is not None:
         raise ValueError(f"--data {path}: the file is {kind}-compressed; decompress it"
                          + (", or name it .gz" if kind == "gzip" else ""))
-    if not raw:
-        raise ValueError(f"--data {path}: the file is empty; give a text file")
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--data {path}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); give a "
-                         "text file, converted to UTF-8 if it is in another encoding") from None
-    if b"\x00" in raw:
-        raise ValueError(f"--data {path}: it holds NUL bytes, which text does not; give a text file")
+    decode_text(raw, path, "--data", TEXT)  # refuses what is not text
     return np.frombuffer(raw, dtype=np.uint8)
 
 

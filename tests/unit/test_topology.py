@@ -231,7 +231,7 @@ def test_yaml_errors_say_what_to_fix(data, needle):
 
 
 def test_load_topology_reports_file_problems(tmp_path):
-    with pytest.raises(ValueError, match="cannot read topology file"):
+    with pytest.raises(ValueError, match="missing.yaml: no such file"):
         load_topology(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("ranks: [1, 2\n")

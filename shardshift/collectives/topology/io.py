@@ -21,34 +21,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
 from shardshift.collectives.topology.model import Link, Topology
 from shardshift.collectives.topology.presets import PRESETS, preset
+from shardshift.textfile import naming, read_yaml
 from shardshift.units import parse_duration, parse_rate
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read a topology YAML file (see docs/topology.md)."""
-    data = read_yaml(path, "topology file")
+TOPOLOGY_FILE = "a YAML topology file (docs/topology.md)"  # what --topology names, for messages
+
+
+def load_topology(path: str | Path, flag: str | None = "--topology") -> Topology:
+    """Read a topology YAML file (see docs/topology.md); ValueError in one line naming `flag` and
+    the file (`shardshift.textfile`), or what in it is wrong."""
+    data = read_yaml(path, flag, TOPOLOGY_FILE)
     try:
         return topology_from_dict(data)
     except ValueError as exc:
-        raise ValueError(f"topology file {path}: {exc}") from None
-
-
-def read_yaml(path: str | Path, what: str):
-    """The parsed content of a YAML file; ValueError in one line (what and where) if it cannot be
-    read or parsed."""
-    path = Path(path)
-    try:
-        return yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:  # one line: what and where
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ValueError(f"{what} {path} is not valid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
+        raise ValueError(f"{naming(flag, path)}: {exc}") from None
 
 
 def topology_from_dict(data: Mapping) -> Topology:
