@@ -81,7 +81,7 @@ own schedule is timed:
   and, where glibc is the allocator, what each rank's allocator holds as the switch starts
   (`heap_state`: its free heap bytes, and the share of its live bytes it mapped apart), from which
   the model replays where each new piece lands and what each freed one hands back
-  (`simulate.cluster.HostMemory`; ``predicted_fresh_bytes`` is to be read beside
+  (`simulate.host_memory`; ``predicted_fresh_bytes`` is to be read beside
   ``move_page_faults`` × the page size).
 
 The copies, the piece cost and the page rates are measured by every rank at once, as the
@@ -499,9 +499,9 @@ def _copy_rates(state: Sequence[torch.Tensor], nbytes: int, device: torch.device
 
 
 def _host_memory(device: torch.device):
-    """Every rank's `heap_state` (`simulate.cluster.HostMemory`), or None where a rank's allocator
+    """Every rank's `heap_state` (`simulate.host_memory.HostMemory`), or None where a rank's allocator
     is not glibc or the ranks copy on GPUs."""
-    from shardshift.simulate.cluster import HostMemory
+    from shardshift.simulate.host_memory import HostMemory
 
     state = heap_state() if device.type == "cpu" else None
     figures = torch.tensor([*(state or (0.0, 0.0)), state is not None], dtype=torch.float64, device=device)
@@ -522,6 +522,7 @@ def _predicted(schedule, state: Sequence[torch.Tensor], rate: float, opts: Switc
     """The switch's schedule timed on an α–β model of this machine, measured now (module
     docstring): ``predicted_seconds`` and the model's measured inputs (``model_*``)."""
     from shardshift.simulate.cluster import Cluster, predict
+    from shardshift.simulate.host_memory import PageRates, page_work
 
     memory = _host_memory(device)  # before the measurements below allocate and free
     alpha, alpha_cpu = message_cost(opts.p2p_reps, device, opts.timeout_s)
@@ -535,9 +536,9 @@ def _predicted(schedule, state: Sequence[torch.Tensor], rate: float, opts: Switc
     machine = Cluster(hosts=1, gpus_per_host=world, intra_bandwidth=port, host_bandwidth=world * rate,
                       intra_latency=alpha, nics_per_host=1, nic_bandwidth=rate, latency=alpha, copy_bandwidth=copies,
                       strided_copy_bandwidth=strided, host_cores=_cores() if cpu else 0, piece_seconds=piece,
-                      message_host_seconds=alpha_cpu if cpu else 0.0, free_bandwidth=unmap if pages else 0.0,
-                      fresh_page_bandwidth=fresh if pages else 0.0, name="this machine")
-    prediction = predict(schedule, machine, memory)
+                      message_host_seconds=alpha_cpu if cpu else 0.0, name="this machine")
+    work = page_work(schedule, PageRates(fresh_page_bandwidth=fresh, free_bandwidth=unmap), memory) if pages else None
+    prediction = predict(schedule, machine, None if work is None else work.seconds)
     return {"predicted_seconds": prediction.seconds, "model_link_bytes_per_s": rate, "model_message_seconds": alpha,
             "model_message_cpu_seconds": alpha_cpu, "model_pair_bytes_per_s": alone, "model_copy_bytes_per_s": copies,
             "model_strided_copy_bytes_per_s": strided, "model_piece_seconds": piece,
@@ -545,8 +546,8 @@ def _predicted(schedule, state: Sequence[torch.Tensor], rate: float, opts: Switc
             "model_free_bytes_per_s": unmap if pages else None,
             "model_heap_free_bytes": list(memory.free_bytes) if pages else None,
             "model_mapped_share": list(memory.mapped_share) if pages else None,
-            "predicted_fresh_bytes": prediction.fresh_bytes if pages else None,
-            "predicted_unmapped_bytes": prediction.unmapped_bytes if pages else None}
+            "predicted_fresh_bytes": work.fresh_bytes if pages else None,
+            "predicted_unmapped_bytes": work.unmapped_bytes if pages else None}
 
 
 def _digests(trainer: Trainer) -> dict[str, bytes]:

@@ -19,13 +19,10 @@ dispatch; 0 by default). On a host whose processors both copy and move the bytes
 a CPU host, where gloo moves bytes with the cores that copy), the host's time is its bytes moved
 ÷ `host_bandwidth` plus, ÷ its cores, the seconds of every copy its ranks make, the processor
 time of every message end (`message_host_seconds`: posting it, the transport's handling beside
-its bytes), and the kernel's work on pages: the new pieces each rank opens in the round, beyond
-the free memory its allocator holds (`HostMemory`), written on fresh pages the kernel maps and
-zeroes at `fresh_page_bandwidth`, and the old pieces it ends in the round, at `free_bandwidth`,
-for the share its allocator had mapped apart (pages handed back to the kernel; the rest is room
-for later pieces); a piece kept whole is neither (0: not booked; no `HostMemory`: no room, all
-mapped apart). The kernel does a rank's work on pages in the rank's own thread, so it also adds
-to that rank's busy time, as its copies do. There a rank's process also handles both ends of its
+its bytes), and whatever further work the caller books on each rank in each round (`predict`'s
+`host_work`: on a CPU host, the kernel's work on fresh and released pages, which
+`simulate.host_memory` models). That work runs in the rank's own thread, so it also adds to the
+rank's busy time, as its copies do. There a rank's process also handles both ends of its
 transfers with those cores, so its port passes its bytes in and out together at
 `intra_bandwidth` (a rank sending to three peers takes as long as one sending and receiving the
 same bytes), where a GPU's port moves them each way at that rate at once. The copies are the
@@ -45,7 +42,6 @@ from pathlib import Path
 
 import numpy as np
 
-from shardshift.reshard.classes import NOTHING, class_at
 from shardshift.units import parse_duration, parse_rate
 
 _RATES = ("intra_bandwidth", "host_bandwidth", "nic_bandwidth", "copy_bandwidth", "strided_copy_bandwidth")
@@ -69,8 +65,6 @@ class Cluster:
     piece_seconds: float = 0.0  # host time each end of a piece costs (its views, the copy's dispatch), beside its bytes
     # On a CPU host (`host_cores`) only, taking turns on its cores with the copies:
     message_host_seconds: float = 0.0  # processor time each message end costs (posting it, the transport's handling)
-    free_bandwidth: float = 0.0  # bytes/s of processor time freeing old pieces (pages back to the kernel); 0: none
-    fresh_page_bandwidth: float = 0.0  # bytes/s of processor time the kernel takes to map and zero fresh pages; 0: none
     name: str = "cluster"
 
     def __post_init__(self) -> None:
@@ -80,9 +74,6 @@ class Cluster:
                 raise ValueError(f"cluster {field}={value!r} must be an integer >= 1")
         if not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool) or self.host_cores < 0:
             raise ValueError(f"cluster host_cores={self.host_cores!r} must be an integer >= 0 (0: GPUs copy apart)")
-        for field in ("free_bandwidth", "fresh_page_bandwidth"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"cluster {field}={getattr(self, field)!r} must be >= 0 bytes/s (0: not booked)")
         if not self.strided_copy_bandwidth:
             object.__setattr__(self, "strided_copy_bandwidth", self.copy_bandwidth)
         if not self.host_bandwidth:
@@ -131,8 +122,7 @@ def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; a cluster takes {', '.join(sorted(known - {'preset'}))}")
     values = {k: v for k, v in data.items() if k not in _TOPOLOGY_ONLY and k != "preset"}
-    parsers = {**dict.fromkeys((*_RATES, "free_bandwidth", "fresh_page_bandwidth"), parse_rate),
-               **dict.fromkeys(_TIMES, parse_duration)}
+    parsers = {**dict.fromkeys(_RATES, parse_rate), **dict.fromkeys(_TIMES, parse_duration)}
     for key, parse in parsers.items():
         if key in values:
             try:
@@ -141,38 +131,6 @@ def cluster_from_dict(data: Mapping, name: str = "cluster") -> Cluster:
                 raise ValueError(f"{key}: {err}") from None
     values.setdefault("name", name)
     return Cluster(**values)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostMemory:
-    """What each process's allocator holds as a switch starts, on a CPU host (`predict`'s `memory`).
-
-    A new piece is written into memory the allocator holds free (`free_bytes`, already mapped)
-    while there is room, and into fresh pages the kernel maps and zeroes beyond it; of the old
-    pieces a process frees, the share its allocator had mapped apart (`mapped_share`: glibc gives
-    large blocks their own mapping) goes back to the kernel, the rest stays free for the pieces
-    opened after it. The default, no room and everything mapped apart, is the costliest case."""
-
-    free_bytes: tuple[float, ...] | float = 0.0  # per process, or one figure for all
-    mapped_share: tuple[float, ...] | float = 1.0  # per process, or one figure for all: 0 to 1
-
-    def __post_init__(self) -> None:
-        free, share = np.asarray(self.free_bytes, dtype=np.float64), np.asarray(self.mapped_share, dtype=np.float64)
-        if not (free >= 0).all():
-            raise ValueError(f"host memory free_bytes={self.free_bytes!r} must be >= 0 bytes")
-        if not ((share >= 0) & (share <= 1)).all():
-            raise ValueError(f"host memory mapped_share={self.mapped_share!r} must lie between 0 and 1")
-
-    def per_process(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(free bytes, mapped share), float[n] each, for a switch of `n` processes."""
-        out = []
-        for value in (self.free_bytes, self.mapped_share):
-            figures = np.asarray(value, dtype=np.float64)
-            figures = np.full(n, float(figures)) if figures.ndim == 0 else figures.copy()
-            if figures.shape != (n,):
-                raise ValueError(f"host memory gives {figures.size} figures for a switch of {n} processes")
-            out.append(figures)
-        return out[0], out[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,22 +143,27 @@ class Prediction:
     busiest_nic_bytes: int  # in or out, the most of any NIC
     busiest_gpu_bytes: int  # received by one GPU from others
     copy_bytes: int  # local pieces copied (not handed over), the most of any GPU
-    fresh_bytes: int = 0  # new pieces written on fresh pages, all processes (booked on a CPU host only)
-    unmapped_bytes: int = 0  # old pieces' bytes handed back to the kernel, all processes (likewise)
 
 
-def predict(schedule, cluster: Cluster, memory: HostMemory | None = None) -> Prediction:
-    """The time `schedule` takes on `cluster` (module docstring), round by round; on a CPU host
-    with `fresh_page_bandwidth` or `free_bandwidth`, from what its allocators hold (`memory`)."""
+def predict(schedule, cluster: Cluster, host_work: np.ndarray | None = None) -> Prediction:
+    """The time `schedule` takes on `cluster` (module docstring), round by round. On a CPU host
+    (`host_cores`), `host_work` (float[round, process]) is the seconds of further work each process
+    does in its own thread in each round (`simulate.host_memory.page_work`)."""
     plan = schedule.plan
     n = plan.world_size
     if n > cluster.ranks:
         raise ValueError(f"the switch involves {n} processes but {cluster.name} has {cluster.ranks} GPUs; "
                          f"give a cluster of at least {n}")
+    n_rounds = len(schedule.pieces)
+    if host_work is not None and not cluster.host_cores:
+        raise ValueError(f"host work is booked on a CPU host's cores, and {cluster.name} has host_cores=0; "
+                         f"give host_cores, or no host work")
+    if host_work is not None and np.shape(host_work) != (n_rounds, n):
+        raise ValueError(f"host work has shape {np.shape(host_work)}; give one figure for each of the switch's "
+                         f"{n_rounds} rounds and {n} processes")
+    own = np.zeros((n_rounds, n)) if host_work is None else np.asarray(host_work, dtype=np.float64)
     nics = cluster.hosts * cluster.nics_per_host
     tallies, totals = [], _Tally(n, nics)
-    pages = cluster.host_cores and (cluster.free_bandwidth or cluster.fresh_page_bandwidth)
-    opened, freed = _lifetimes(schedule) if pages else (None, None)
     for index, pieces in enumerate(schedule.pieces):
         tally, by_flow = _Tally(n, nics), {}
         for piece in pieces:  # a flow's pieces in one round travel between the same processes: summed first
@@ -221,20 +184,13 @@ def predict(schedule, cluster: Cluster, memory: HostMemory | None = None) -> Pre
             entry.recv_copy_seconds += seconds[1]
             if piece.box == old_box == new_box:  # a whole piece kept is handed over, not copied
                 entry.handed += nbytes
-                if pages:  # its memory lives on as the new piece: neither written afresh nor freed
-                    kept = piece.flow.dst[piece.flow.src == piece.flow.dst]
-                    first, last = schedule.tensor_rounds[piece.tensor]
-                    np.add.at(opened[first], kept, -nbytes)
-                    np.add.at(freed[last], kept, -nbytes)
             else:
                 slowest = cluster.copy_bandwidth if at_source and at_target else cluster.strided_copy_bandwidth
                 entry.local_copy_seconds += nbytes / slowest
         for entry in by_flow.values():
             tally.add(entry, cluster)
         tallies.append(tally)
-    if pages:
-        _replay_memory(tallies, opened, freed, memory or HostMemory())
-    rounds = [tally.seconds(cluster) for tally in tallies]
+    rounds = [tally.seconds(cluster, work) for tally, work in zip(tallies, own)]
     for tally in tallies:
         totals.merge(tally)
     per_gpu_in = totals.intra_in / cluster.intra_bandwidth
@@ -247,37 +203,7 @@ def predict(schedule, cluster: Cluster, memory: HostMemory | None = None) -> Pre
         intra_host_bytes=int(totals.intra_in.sum()), inter_host_bytes=int(totals.nic_in.sum()),
         busiest_nic_bytes=int(max(totals.nic_in.max(initial=0), totals.nic_out.max(initial=0))),
         busiest_gpu_bytes=int(plan.received.max(initial=0)), copy_bytes=int(totals.copied.max(initial=0)),
-        fresh_bytes=int(totals.fresh.sum()), unmapped_bytes=int(totals.freed.sum()),
     )
-
-
-def _lifetimes(schedule) -> tuple[np.ndarray, np.ndarray]:
-    """float[round, process], twice: the bytes of the new pieces each process opens at the start of
-    each round (every tensor's in the first round it moves in) and of the old pieces it frees at
-    the end (in the last)."""
-    plan = schedule.plan
-    shape = (len(schedule.pieces), plan.world_size)
-    opened, freed = np.zeros(shape), np.zeros(shape)
-    for tensor, (first, last) in schedule.tensor_rounds.items():
-        itemsize = plan.tensors[tensor].itemsize
-        for out, at, classes, where in ((opened, first, plan.new_classes[tensor], plan.placed),
-                                        (freed, last, plan.old_classes[tensor], plan.held)):
-            sizes = np.array([box.numel for box in classes.boxes], dtype=np.float64) * itemsize
-            of = class_at(classes.of_coord, where)
-            out[at] += np.where(of == NOTHING, 0.0, sizes[np.maximum(of, 0)])
-    return opened, freed
-
-
-def _replay_memory(tallies: list["_Tally"], opened: np.ndarray, freed: np.ndarray, memory: HostMemory) -> None:
-    """Each process's allocator, round by round: a new piece takes the free memory it holds while
-    there is room, fresh pages beyond it; the old pieces freed at a round's end go back to the
-    kernel at `mapped_share`, and the rest is room for the pieces opened after them."""
-    room, share = memory.per_process(opened.shape[1])
-    for tally, taken, given in zip(tallies, opened, freed):
-        taken, given = np.maximum(taken, 0.0), np.maximum(given, 0.0)
-        tally.fresh += np.maximum(taken - room, 0.0)
-        tally.freed += given * share
-        room = np.maximum(room - taken, 0.0) + given * (1.0 - share)
 
 
 def contiguous(box, outer) -> bool:
@@ -311,8 +237,6 @@ class _Tally:
         self.intra_in, self.intra_out = np.zeros(n), np.zeros(n)
         self.copied, self.copying = np.zeros(n), np.zeros(n)  # bytes of local pieces; seconds of every copy
         self.messages, self.remote_messages = np.zeros(n), np.zeros(n)  # ends of messages, by where the peer is
-        self.freed = np.zeros(n)  # bytes of old pieces handed back to the kernel (`predict` fills them on a CPU host,
-        self.fresh = np.zeros(n)  # and the bytes of new pieces written on fresh pages)
         self.nic_in, self.nic_out = np.zeros(nics), np.zeros(nics)
         self.packed: list[np.ndarray] = []  # pairs (src * n + dst) of small segments, packed one message a pair
 
@@ -340,11 +264,11 @@ class _Tally:
         np.add.at(self.remote_messages, np.concatenate([src[~same], dst[~same]]), times)
 
     def merge(self, other: "_Tally") -> None:
-        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "nic_in", "nic_out",
-                     "freed", "fresh"):
+        for name in ("intra_in", "intra_out", "copied", "copying", "messages", "remote_messages", "nic_in", "nic_out"):
             getattr(self, name)[...] += getattr(other, name)
 
-    def seconds(self, cluster: Cluster) -> float:
+    def seconds(self, cluster: Cluster, host_work: np.ndarray) -> float:
+        """The round's time; `host_work` (float[process]): seconds each process works in its own thread beside."""
         if self.packed:
             pairs = np.unique(np.concatenate(self.packed))
             src, dst = pairs // self.n, pairs % self.n
@@ -358,13 +282,8 @@ class _Tally:
         nic = np.maximum(self.nic_in, self.nic_out) / cluster.nic_bandwidth
         hosts = cluster.host(np.arange(self.n))
         switch = np.bincount(hosts, weights=self.intra_in) / cluster.host_bandwidth
-        if cluster.host_cores:  # copies, messages and pages take turns with the transfers on the host's cores
-            pages = np.zeros(self.n)
-            if cluster.free_bandwidth:
-                pages += self.freed / cluster.free_bandwidth
-            if cluster.fresh_page_bandwidth:
-                pages += self.fresh / cluster.fresh_page_bandwidth
-            gpu = gpu + pages  # the kernel works in the rank's own thread, as its copies do
-            work = self.copying + pages + (self.messages + self.remote_messages) * cluster.message_host_seconds
+        if cluster.host_cores:  # copies, messages and host work take turns with the transfers on the host's cores
+            gpu = gpu + host_work  # in the rank's own thread, as its copies are
+            work = self.copying + host_work + (self.messages + self.remote_messages) * cluster.message_host_seconds
             switch = switch + np.bincount(hosts, weights=work) / cluster.host_cores
         return float(max(gpu.max(initial=0), nic.max(initial=0), switch.max(initial=0)))

@@ -21,7 +21,8 @@ from shardshift.models.space import state_space
 from shardshift.reshard.execute import compile_program
 from shardshift.reshard.plan import Assignment, plan_transition
 from shardshift.reshard.schedule import build_schedule
-from shardshift.simulate.cluster import Cluster, HostMemory, cluster_from_dict, load_cluster, predict
+from shardshift.simulate.cluster import Cluster, cluster_from_dict, load_cluster, predict
+from shardshift.simulate.host_memory import HostMemory, PageRates, page_work
 from shardshift.simulate.space import SpecSpace
 from shardshift.simulate.specs import DecoderSpec
 from shardshift.simulate.switch import model_space, simulate_switch
@@ -172,7 +173,7 @@ def test_a_cpu_host_books_each_message_end_and_the_freeing_of_old_pieces_on_its_
                                 intermediate_size=128, vocab_size=64))
     free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18, host_cores=2)
     messages = dataclasses.replace(free, message_host_seconds=1e-3)
-    freeing = dataclasses.replace(free, free_bandwidth=1e6)
+    freeing = PageRates(free_bandwidth=1e6)  # with no `HostMemory`, every old piece goes back to the kernel
 
     def program_totals(sim):
         ends = freed = 0
@@ -189,21 +190,27 @@ def test_a_cpu_host_books_each_message_end_and_the_freeing_of_old_pieces_on_its_
     assert ends > 0 and spread.prediction.seconds == pytest.approx(1e-3 * ends / 2, rel=0.01)
     assert simulate_switch(space, Layout(fsdp=4), Layout(dp=4), free, budget=1 << 40).prediction.seconds < 1e-9
     # No message: every rank frees its replica, but for the pieces it keeps whole (norms stay replicated under tp).
-    shard = simulate_switch(space, Layout(dp=4), Layout(tp=4), freeing, budget=1 << 40)
+    shard = simulate_switch(space, Layout(dp=4), Layout(tp=4), free, budget=1 << 40)
     ends, freed = program_totals(shard)
     kept = [c for step in compile_program(shard.schedule, 0).rounds for c in step.copies if c.whole]
     assert ends == 0 and kept and 0 < freed < 4 * shard.plan.held_bytes(shard.plan.old_boxes, 0)
-    assert shard.prediction.seconds == pytest.approx(freed / 1e6 / 2, rel=0.01)
+    work = page_work(shard.schedule, freeing)
+    assert predict(shard.schedule, free, work.seconds).seconds == pytest.approx(freed / 1e6 / 2, rel=0.01)
     # GPUs (no host_cores) book neither: their transport and caching allocator do not take the host's cores.
-    for cluster in (messages, freeing):
-        gpus = dataclasses.replace(cluster, host_cores=0)
-        assert simulate_switch(space, Layout(dp=4), Layout(fsdp=4), gpus, budget=1 << 40).prediction.seconds < 1e-9
+    gpus = dataclasses.replace(messages, host_cores=0)
+    assert simulate_switch(space, Layout(dp=4), Layout(fsdp=4), gpus, budget=1 << 40).prediction.seconds < 1e-9
+    with pytest.raises(ValueError, match="host_cores=0"):
+        predict(shard.schedule, gpus, work.seconds)
     # A cluster with more hosts than the job fills (8 ranks on 2 of its 3 hosts) books them alike.
-    roomy = dataclasses.replace(freeing, hosts=3, message_host_seconds=1e-3)
-    assert simulate_switch(space, Layout(fsdp=8), Layout(dp=2, fsdp=4), roomy, budget=1 << 40).prediction.seconds > 0
-    for field in ("message_host_seconds", "free_bandwidth"):
-        with pytest.raises(ValueError, match=field):
-            Cluster(**{field: -1.0})
+    roomy = dataclasses.replace(messages, hosts=3)
+    spread = simulate_switch(space, Layout(fsdp=8), Layout(dp=2, fsdp=4), roomy, budget=1 << 40)
+    assert spread.prediction.seconds > 0
+    pages = page_work(spread.schedule, freeing).seconds
+    assert predict(spread.schedule, roomy, pages).seconds > spread.prediction.seconds
+    with pytest.raises(ValueError, match="message_host_seconds"):
+        Cluster(message_host_seconds=-1.0)
+    with pytest.raises(ValueError, match="free_bandwidth"):
+        PageRates(free_bandwidth=-1.0)
 
 
 def _allocator_replay(schedule, rank: int, room: float, share: float) -> tuple[float, float]:
@@ -229,44 +236,49 @@ def test_a_cpu_host_writes_new_pieces_on_fresh_pages_beyond_the_room_its_allocat
     space = SpecSpace(DecoderSpec(name="d", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 intermediate_size=128, vocab_size=64))
     free = Cluster(hosts=1, gpus_per_host=4, intra_bandwidth=1e18, intra_latency=0.0, copy_bandwidth=1e18, host_cores=2)
-    pages = dataclasses.replace(free, fresh_page_bandwidth=1e6, free_bandwidth=4e6)
+    rates = PageRates(fresh_page_bandwidth=1e6, free_bandwidth=4e6)
     sim = simulate_switch(space, Layout(fsdp=2, tp=2), Layout(dp=2, fsdp=2), free, budget=8 << 10)
+
+    def booked(memory: HostMemory, rates: PageRates = rates, cluster: Cluster = free):
+        work = page_work(sim.schedule, rates, memory)
+        return work, predict(sim.schedule, cluster, work.seconds).seconds
+
     assert len(sim.schedule.pieces) > 3  # rounds enough for what one frees to be room for the next
     new_bytes = [sim.plan.held_bytes(sim.plan.new_boxes, r) for r in range(4)]
     for room, share in ((0.0, 1.0), (new_bytes[0] / 3, 0.0), (new_bytes[0] / 3, 0.5), (10 * max(new_bytes), 0.5)):
-        memory = HostMemory(room, share)
         expected = np.array([_allocator_replay(sim.schedule, r, room, share) for r in range(4)])
-        prediction = predict(sim.schedule, pages, memory)
-        assert prediction.fresh_bytes == pytest.approx(expected[:, 0].sum(), abs=4)
-        assert prediction.unmapped_bytes == pytest.approx(expected[:, 1].sum(), abs=4)
+        work, seconds = booked(HostMemory(room, share))
+        assert work.fresh_bytes == pytest.approx(expected[:, 0].sum(), abs=4)
+        assert work.unmapped_bytes == pytest.approx(expected[:, 1].sum(), abs=4)
         # One host: every round's work on pages, all ranks', takes turns on its two cores.
-        work = (expected[:, 0] / 1e6 + expected[:, 1] / 4e6).sum() / 2
-        assert work > 0 and prediction.seconds == pytest.approx(work, rel=1e-6)
+        cores = (expected[:, 0] / 1e6 + expected[:, 1] / 4e6).sum() / 2
+        assert cores > 0 and seconds == pytest.approx(cores, rel=1e-6)
     # Not vacuous: room that lasts saves fresh pages, and what the first rounds free (share 0) is reused.
-    none, some = (predict(sim.schedule, pages, HostMemory(room, 0.0)).fresh_bytes for room in (0.0, new_bytes[0] / 3))
+    none, some = (booked(HostMemory(room, 0.0))[0].fresh_bytes for room in (0.0, new_bytes[0] / 3))
     assert 0 < some < none < sum(new_bytes)
     # Per process, in rank order: only rank 2 has room.
     roomy = 10.0 * max(new_bytes)
-    lopsided = predict(sim.schedule, pages, HostMemory((0.0, 0.0, roomy, 0.0), 1.0))
+    lopsided, _ = booked(HostMemory((0.0, 0.0, roomy, 0.0), 1.0))
     expected = sum(_allocator_replay(sim.schedule, r, roomy if r == 2 else 0.0, 1.0)[0] for r in range(4))
-    nothing = predict(sim.schedule, pages, HostMemory(0.0, 1.0)).fresh_bytes
+    nothing = booked(HostMemory(0.0, 1.0))[0].fresh_bytes
     assert lopsided.fresh_bytes == pytest.approx(expected, abs=4) and lopsided.fresh_bytes < nothing
     # A rank alone with pages to work on does it in its own thread: one core, not two.
-    alone = predict(sim.schedule, pages, HostMemory((0.0, roomy, roomy, roomy), (1.0, 0.0, 0.0, 0.0)))
+    alone, seconds = booked(HostMemory((0.0, roomy, roomy, roomy), (1.0, 0.0, 0.0, 0.0)))
     fresh, unmapped = _allocator_replay(sim.schedule, 0, 0.0, 1.0)
     assert alone.fresh_bytes == pytest.approx(fresh, abs=4) and alone.unmapped_bytes == pytest.approx(unmapped, abs=4)
-    assert alone.seconds == pytest.approx(fresh / 1e6 + unmapped / 4e6, rel=1e-6)
-    # Without the two rates, or on GPUs (their caching allocator keeps its memory), no page is booked.
-    for cluster in (free, dataclasses.replace(pages, host_cores=0)):
-        prediction = predict(sim.schedule, cluster, HostMemory())
-        assert prediction.seconds < 1e-9 and prediction.fresh_bytes == prediction.unmapped_bytes == 0
+    assert seconds == pytest.approx(fresh / 1e6 + unmapped / 4e6, rel=1e-6)
+    # Without the two rates no page is booked; on GPUs (their caching allocator keeps its memory) none may be.
+    work, seconds = booked(HostMemory(), rates=PageRates())
+    assert seconds < 1e-9 and not work.seconds.any() and work.fresh_bytes > 0
+    with pytest.raises(ValueError, match="host_cores=0"):
+        booked(HostMemory(), cluster=dataclasses.replace(free, host_cores=0))
     with pytest.raises(ValueError, match="fresh_page_bandwidth"):
-        Cluster(fresh_page_bandwidth=-1.0)
+        PageRates(fresh_page_bandwidth=-1.0)
     for bad, match in (({"free_bytes": -1.0}, "free_bytes"), ({"mapped_share": 1.5}, "mapped_share")):
         with pytest.raises(ValueError, match=match):
             HostMemory(**bad)
     with pytest.raises(ValueError, match="2 figures for a switch of 4 processes"):
-        predict(sim.schedule, pages, HostMemory((0.0, 0.0), 1.0))
+        page_work(sim.schedule, rates, HostMemory((0.0, 0.0), 1.0))
 
 
 def test_the_shipped_cluster_file_reads_as_the_topology_preset():
@@ -274,9 +286,10 @@ def test_the_shipped_cluster_file_reads_as_the_topology_preset():
     assert (cluster.ranks, cluster.nics_per_host, cluster.nic_bandwidth) == (512, 8, 50e9)
     assert list(cluster.nic(np.arange(8, 12))) == [8, 9, 10, 11]
     cpu = cluster_from_dict({"preset": "cluster", "hosts": 1, "gpus_per_host": 4, "host_cores": 2,
-                             "message_host_seconds": "30 us", "free_bandwidth": "20GB/s",
-                             "fresh_page_bandwidth": "3GB/s"})
-    assert (cpu.message_host_seconds, cpu.free_bandwidth, cpu.fresh_page_bandwidth) == (pytest.approx(30e-6), 20e9, 3e9)
+                             "message_host_seconds": "30 us"})
+    assert (cpu.host_cores, cpu.message_host_seconds) == (2, pytest.approx(30e-6))
+    with pytest.raises(ValueError, match="unknown key.*fresh_page_bandwidth"):  # a host's pages: `host_memory`
+        cluster_from_dict({"preset": "cluster", "hosts": 1, "fresh_page_bandwidth": "3GB/s"})
     with pytest.raises(ValueError, match="message_host_seconds: cannot read duration 'fast'"):
         cluster_from_dict({"preset": "cluster", "hosts": 1, "message_host_seconds": "fast"})
     with pytest.raises(ValueError, match="unknown key.*gpus"):
