@@ -1,6 +1,6 @@
-"""What `bench switch --predict` measures of a host's memory: the copy rates out of a rank's own
-state (`copy_rates`), the kernel's rates for fresh and released pages (`page_rates`) and the
-allocator's state (`heap_state`)."""
+"""What `bench switch --predict` measures of a host's memory (`bench.calibration`): the copy rates
+out of a rank's own state (`copy_rates`), the kernel's rates for fresh and released pages
+(`page_rates`) and the allocator's state (`heap_state`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from shardshift.bench.switch import _state_samples, copy_rates, heap_state, page_rates
+from shardshift.bench.calibration import _state_samples, copy_rates, heap_state, page_rates
 
 _LIBC = ctypes.util.find_library("c")
 CPU = torch.device("cpu")
@@ -21,8 +21,8 @@ glibc = pytest.mark.skipif(not (_LIBC and hasattr(ctypes.CDLL(_LIBC), "mallinfo2
 def test_the_kernel_s_page_rates_are_finite_and_unmapping_is_the_cheaper():
     fresh, unmap = page_rates(64 << 20)  # as the bench measures
     assert all(math.isfinite(rate) and rate > 0 for rate in (fresh, unmap))
-    # Mapping and zeroing a page costs more than handing a written one back (3 vs 20 GB/s here);
-    # a measurement that lost the faults (a copy into pages written before) would not show it.
+    # Mapping and zeroing a page costs more than handing a written one back; a measurement that
+    # lost the faults (a copy into pages written before) would not show it.
     assert fresh < unmap
 
 
