@@ -37,9 +37,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
-from shardshift.bench.restart import RestartFailed, restart_job
+from shardshift.bench.restart import Restart, RestartFailed, restart_job
 from shardshift.elastic.config import ElasticConfig, Inject, check_every_world
 from shardshift.launch import dies_with_this_process
 from shardshift.layout import Layout
@@ -90,6 +91,89 @@ class ElasticBenchOptions:
         return low, high
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EventRecord:
+    """One change of world in the elastic job (its metrics' ``membership`` event), beside its restart.
+    Figures the event does not have are None."""
+
+    kind: str  # "join", "leave" or "crash"
+    step: int  # the step the change followed
+    from_world: int
+    to_world: int
+    before: str  # the old world's layout
+    after: str  # the new world's layout
+    pause_seconds: float  # the decision at the step boundary -> every worker of the new world ready to step
+    detect_seconds: float
+    steps_lost: int
+    bytes_moved: int
+    recovered_from: str | None  # where the state came from: "none", "replica", "redundancy", "checkpoint"
+    planned_ahead: bool | None
+    phases: dict[str, float] | None  # the move's phases, each its slowest worker's seconds
+    restart: Restart | None = None  # the fresh job of the new world (`_restart`), when measured and it ran
+    restart_error: str | None = None  # why that job failed
+
+    @classmethod
+    def from_metrics(cls, event: dict, restart: Restart | None = None, restart_error: str | None = None) -> EventRecord:
+        return cls(kind=event.get("kind"), step=event.get("step"), from_world=event.get("from_world"),
+                   to_world=event.get("to_world"), before=event.get("from"), after=event.get("to"),
+                   pause_seconds=event.get("pause_seconds"), detect_seconds=event.get("detect_seconds"),
+                   steps_lost=event.get("steps_lost"), bytes_moved=event.get("bytes_moved"),
+                   recovered_from=event.get("recovered_from"), planned_ahead=event.get("planned_ahead"),
+                   phases=event.get("phases"), restart=restart, restart_error=restart_error)
+
+    @property
+    def restart_seconds(self) -> float | None:
+        return None if self.restart is None else self.restart.seconds
+
+    @property
+    def restart_over_pause(self) -> float | None:
+        return (self.restart_seconds / self.pause_seconds
+                if self.restart_seconds and self.pause_seconds > 0 else None)
+
+    def as_dict(self) -> dict:
+        """The event as ``--json`` prints it."""
+        return {"kind": self.kind, "step": self.step, "from_world": self.from_world, "to_world": self.to_world,
+                "from": self.before, "to": self.after, "pause_seconds": self.pause_seconds,
+                "detect_seconds": self.detect_seconds, "restart_seconds": self.restart_seconds,
+                "restart_step_seconds": None if self.restart is None else self.restart.step_seconds,
+                "restart_over_pause": self.restart_over_pause, "steps_lost": self.steps_lost,
+                "bytes_moved": self.bytes_moved, "recovered_from": self.recovered_from,
+                "planned_ahead": self.planned_ahead, "restart_error": self.restart_error, "phases": self.phases}
+
+
+@dataclasses.dataclass(frozen=True)
+class RedundancyOverhead:
+    """What ``--redundancy 1`` costs a fixed job (`_redundancy_overhead`)."""
+
+    layout: str  # FSDP over the first world: no replica
+    steps: int  # of each job
+    step_seconds: float  # the median step after the first, ``--redundancy 0``
+    step_seconds_redundancy_1: float  # the same with ``--redundancy 1``
+    overhead: float  # 1 - tokens/s with / tokens/s without
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ElasticBenchResult:
+    """What ``--json`` prints."""
+
+    model: str
+    params: int
+    dtype: str
+    global_batch: int
+    events: tuple[EventRecord, ...]
+    geomean_restart_over_pause: dict[str, float | None]  # joins and leaves ("join_leave"), crashes (`summary`)
+    median_step_seconds: float  # of the elastic job
+    redundancy: RedundancyOverhead | None  # None: not measured
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "params": self.params, "dtype": self.dtype, "global_batch": self.global_batch,
+                "events": [e.as_dict() for e in self.events],
+                "geomean_restart_over_pause": self.geomean_restart_over_pause,
+                "median_step_seconds": self.median_step_seconds,
+                "redundancy_overhead": None if self.redundancy is None else self.redundancy.overhead,
+                "redundancy": None if self.redundancy is None else dataclasses.asdict(self.redundancy)}
+
+
 def run_elastic_bench(opts: ElasticBenchOptions) -> int:
     """Run the elastic job, then the restarts; print the report. The exit status: 0, or 1 when the
     elastic job failed."""
@@ -111,9 +195,8 @@ def run_elastic_bench(opts: ElasticBenchOptions) -> int:
                   file=sys.stderr)
             return 1
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        events = [r for r in records if r.get("event") == "membership"]
-        for event in events:
-            event.update(_restart(opts, cfg, event, ckpt, work))
+        events = [EventRecord.from_metrics(r, *_restart(opts, cfg, r, ckpt, work))
+                  for r in records if r.get("event") == "membership"]
         overhead = _redundancy_overhead(opts, work) if opts.overhead_steps else None
         report(opts, events, records, overhead)
         return 0
@@ -121,11 +204,12 @@ def run_elastic_bench(opts: ElasticBenchOptions) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _restart(opts: ElasticBenchOptions, cfg: TrainConfig, event: dict, ckpt: Path, work: Path) -> dict:
-    """The restart way for one event: a fresh job of the new world from the checkpoint of its step."""
-    out = {"restart_seconds": None, "restart_step_seconds": None, "restart_error": None}
+def _restart(opts: ElasticBenchOptions, cfg: TrainConfig, event: dict, ckpt: Path,
+             work: Path) -> tuple[Restart | None, str | None]:
+    """The restart way for one event: a fresh job of the new world from the checkpoint of its step;
+    (the job, None), or (None, why it failed), or (None, None) without ``restart``."""
     if not opts.restart:
-        return out
+        return None, None
     resumed = dataclasses.replace(cfg.with_layout(Layout.parse(event["to"])), save=None, save_every=0, metrics=None,
                                   log_every=1)  # the restart is timed by its first step's line
     try:
@@ -133,20 +217,19 @@ def _restart(opts: ElasticBenchOptions, cfg: TrainConfig, event: dict, ckpt: Pat
                               opts.timeout_s, work)
     except RestartFailed as err:  # a finding about the baseline: reported, not fatal
         print(err, file=sys.stderr)
-        out["restart_error"] = err.reason
-        return out
-    out["restart_seconds"], out["restart_step_seconds"] = restart.seconds, restart.step_seconds
-    return out
+        return None, err.reason
+    return restart, None
 
 
-def _redundancy_overhead(opts: ElasticBenchOptions, work: Path) -> dict:
+def _redundancy_overhead(opts: ElasticBenchOptions, work: Path) -> RedundancyOverhead:
     """Two fixed jobs under fsdp=N, --redundancy 0 then 1: their median step times after the
     first, and the fraction of tokens/s that redundancy costs."""
     medians = {}
     for k in (0, 1):
         metrics = work / f"overhead-{k}.jsonl"
-        cfg = dataclasses.replace(opts.cfg.with_layout(Layout(fsdp=opts.nproc)), steps=opts.overhead_steps, stop_at=opts.overhead_steps,
-                                  save=None, save_every=0, metrics=str(metrics), resume=None)
+        cfg = dataclasses.replace(opts.cfg.with_layout(Layout(fsdp=opts.nproc)), steps=opts.overhead_steps,
+                                  stop_at=opts.overhead_steps, save=None, save_every=0, metrics=str(metrics),
+                                  resume=None)
         argv = [*train_argv(cfg, nproc=opts.nproc, timeout_s=opts.timeout_s), "--elastic", "--redundancy", str(k),
                 "--log-dir", str(work / f"overhead-{k}-logs")]
         job = subprocess.run([sys.executable, "-m", "shardshift", *argv], capture_output=True, text=True,
@@ -156,51 +239,47 @@ def _redundancy_overhead(opts: ElasticBenchOptions, work: Path) -> dict:
         times = sorted(r["step_time_s"] for r in map(json.loads, metrics.read_text().splitlines())
                        if "step_time_s" in r and r["step"] > 1)
         medians[k] = times[len(times) // 2]
-    return {"layout": str(Layout(fsdp=opts.nproc)), "steps": opts.overhead_steps, "step_seconds": medians[0],
-            "step_seconds_redundancy_1": medians[1], "overhead": 1 - medians[0] / medians[1]}
+    return RedundancyOverhead(str(Layout(fsdp=opts.nproc)), opts.overhead_steps, medians[0], medians[1],
+                              1 - medians[0] / medians[1])
 
 
 def _geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def summary(events: list[dict]) -> dict:
-    """Each event's restart/pause ratio, and their geometric means: joins and leaves, crashes."""
-    for e in events:
-        e["restart_over_pause"] = (e["restart_seconds"] / e["pause_seconds"]
-                                   if e.get("restart_seconds") and e["pause_seconds"] > 0 else None)
-    ratios = {kinds: [e["restart_over_pause"] for e in events if e["kind"] in kinds and e["restart_over_pause"]]
+def summary(events: Sequence[EventRecord]) -> dict[str, float | None]:
+    """The geometric means of the events' restart/pause ratios: joins and leaves, crashes."""
+    ratios = {kinds: [e.restart_over_pause for e in events if e.kind in kinds and e.restart_over_pause]
               for kinds in (("join", "leave"), ("crash",))}
     return {"join_leave": _geomean(ratios[("join", "leave")]), "crash": _geomean(ratios[("crash",)])}
 
 
-def report(opts: ElasticBenchOptions, events: list[dict], records: list[dict], overhead: dict | None) -> None:
+def report(opts: ElasticBenchOptions, events: list[EventRecord], records: list[dict],
+           overhead: RedundancyOverhead | None) -> None:
+    """Print the events beside their restarts: one JSON object (`ElasticBenchResult`), or the table.
+    `records` are the elastic job's metrics."""
     means = summary(events)
     step_times = [r["step_time_s"] for r in records if "step_time_s" in r]
-    fields = ("kind", "step", "from_world", "to_world", "from", "to", "pause_seconds", "detect_seconds",
-              "restart_seconds", "restart_step_seconds", "restart_over_pause", "steps_lost", "bytes_moved",
-              "recovered_from", "planned_ahead", "restart_error", "phases")
-    out = {"model": opts.cfg.model.name, "params": opts.cfg.model.num_params(), "dtype": opts.cfg.dtype,
-           "global_batch": opts.cfg.global_batch, "events": [{k: e.get(k) for k in fields} for e in events],
-           "geomean_restart_over_pause": means, "median_step_seconds": sorted(step_times)[len(step_times) // 2],
-           "redundancy_overhead": overhead["overhead"] if overhead else None, "redundancy": overhead}
+    result = ElasticBenchResult(model=opts.cfg.model.name, params=opts.cfg.model.num_params(), dtype=opts.cfg.dtype,
+                                global_batch=opts.cfg.global_batch, events=tuple(events),
+                                geomean_restart_over_pause=means,
+                                median_step_seconds=sorted(step_times)[len(step_times) // 2], redundancy=overhead)
     if opts.json:
-        print(json.dumps(out))
+        print(json.dumps(result.as_dict()))
         return
-    print(f"bench elastic: {opts.cfg.model.name} ({out['params']:,} parameters), {opts.cfg.dtype}, global batch "
+    print(f"bench elastic: {opts.cfg.model.name} ({result.params:,} parameters), {opts.cfg.dtype}, global batch "
           f"{opts.cfg.global_batch}; seconds, the slowest worker's")
     print(f"{'event':<8}{'after':>6}{'worlds':>8}  {'layouts':<22}{'pause':>8}{'detect':>8}{'restart':>9}"
           f"{'rst/pause':>10}{'lost':>6}{'moved':>12}  from")
     for e in events:
-        ratio = "-" if e["restart_over_pause"] is None else f"{e['restart_over_pause']:.1f}"
-        restart = "failed" if e.get("restart_error") else ("-" if e["restart_seconds"] is None
-                                                           else f"{e['restart_seconds']:.2f}")
-        print(f"{e['kind']:<8}{e['step']:>6}{e['from_world']:>4}->{e['to_world']:<3} {e['from'] + ' -> ' + e['to']:<22}"
-              f"{e['pause_seconds']:>8.2f}{e['detect_seconds']:>8.2f}{restart:>9}{ratio:>10}{e['steps_lost']:>6}"
-              f"{e['bytes_moved']:>12,}  {e['recovered_from']}")
+        ratio = "-" if e.restart_over_pause is None else f"{e.restart_over_pause:.1f}"
+        restart = "failed" if e.restart_error else ("-" if e.restart_seconds is None else f"{e.restart_seconds:.2f}")
+        print(f"{e.kind:<8}{e.step:>6}{e.from_world:>4}->{e.to_world:<3} {e.before + ' -> ' + e.after:<22}"
+              f"{e.pause_seconds:>8.2f}{e.detect_seconds:>8.2f}{restart:>9}{ratio:>10}{e.steps_lost:>6}"
+              f"{e.bytes_moved:>12,}  {e.recovered_from}")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print(f"geometric mean restart/pause: joins and leaves {fmt(means['join_leave'])}, crashes {fmt(means['crash'])}; "
-          f"median step {out['median_step_seconds']:.2f} s")
+          f"median step {result.median_step_seconds:.2f} s")
     if overhead:
-        print(f"--redundancy 1 under {overhead['layout']}: median step {overhead['step_seconds_redundancy_1']:.2f} s "
-              f"against {overhead['step_seconds']:.2f} s without: {overhead['overhead']:.1%} of tokens/s")
+        print(f"--redundancy 1 under {overhead.layout}: median step {overhead.step_seconds_redundancy_1:.2f} s "
+              f"against {overhead.step_seconds:.2f} s without: {overhead.overhead:.1%} of tokens/s")

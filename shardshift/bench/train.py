@@ -117,10 +117,42 @@ class PlainDDP:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
+    """One variant's timed steps, summed over the rounds (what `run_bench` measures)."""
+
     name: tuple[str, str]  # ("ddp" or a layout, "gloo" or "trees")
     steps: int
     seconds: float
     tokens_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputRow:
+    """One variant in the report, beside DDP and beside the same layout on gloo (a row of ``rows``)."""
+
+    impl: str  # "ddp" or a layout
+    layout: str  # the same, under the name the report's table gives it
+    collectives: str  # "gloo" (the process group's own: NCCL's on CUDA) or "trees"
+    tokens_per_s: float
+    seconds: float
+    steps: int
+    ratio_vs_ddp: float  # tokens/s ÷ DDP's
+    ratio_vs_gloo: float  # tokens/s ÷ the same layout's on gloo
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainBenchResult:
+    """What ``--json`` prints."""
+
+    model: str
+    nproc: int
+    device: str  # "cpu" or "cuda"
+    backend: str  # what "gloo" stands for on `device`: "gloo", or "nccl" on CUDA
+    topology: str | None  # the YAML file the trees are packed on
+    emulate_scale: float | None  # emulated rate / topology rate, where the network was emulated
+    rows: tuple[ThroughputRow, ...]
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "rows": [dataclasses.asdict(row) for row in self.rows]}
 
 
 def start(opts: TrainBenchOptions, argv: list[str]) -> int:
@@ -190,18 +222,18 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
     """Print the throughputs: one JSON object, or the table. Returns that object (what ``--json`` prints)."""
     ddp = results[0]
     gloo = {r.name[0]: r.tokens_per_s for r in results if r.name[1] == "gloo"}
-    rows = [
-        {"impl": r.name[0], "layout": r.name[0], "collectives": r.name[1], "tokens_per_s": r.tokens_per_s,
-         "seconds": r.seconds, "steps": r.steps, "ratio_vs_ddp": r.tokens_per_s / ddp.tokens_per_s,
-         "ratio_vs_gloo": r.tokens_per_s / gloo[r.name[0]]}
+    rows = tuple(
+        ThroughputRow(impl=r.name[0], layout=r.name[0], collectives=r.name[1], tokens_per_s=r.tokens_per_s,
+                      seconds=r.seconds, steps=r.steps, ratio_vs_ddp=r.tokens_per_s / ddp.tokens_per_s,
+                      ratio_vs_gloo=r.tokens_per_s / gloo[r.name[0]])
         for r in results
-    ]
+    )
     base = opts.base
     # "gloo" names the process group's own collectives: NCCL's on CUDA.
     own = "nccl" if device_type == "cuda" else "gloo"
-    result = {"model": base.model.name, "nproc": opts.nproc, "device": device_type, "backend": own,
-              "topology": opts.topology,
-              "emulate_scale": opts.emulate_scale if opts.emulate else None, "rows": rows}
+    result = TrainBenchResult(model=base.model.name, nproc=opts.nproc, device=device_type, backend=own,
+                              topology=opts.topology, emulate_scale=opts.emulate_scale if opts.emulate else None,
+                              rows=rows).as_dict()
     if opts.json:
         print(json.dumps(result))
         return result
@@ -211,7 +243,6 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
           f"{ddp.steps} timed steps per variant")
     print(f"{'layout':<16}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs ' + own:>9}")
     for row in rows:
-        shown = own if row["collectives"] == "gloo" else row["collectives"]
-        print(f"{row['layout']:<16}{shown:<13}{row['tokens_per_s']:>12,.0f}{row['ratio_vs_ddp']:>9.3f}"
-              f"{row['ratio_vs_gloo']:>9.3f}")
+        shown = own if row.collectives == "gloo" else row.collectives
+        print(f"{row.layout:<16}{shown:<13}{row.tokens_per_s:>12,.0f}{row.ratio_vs_ddp:>9.3f}{row.ratio_vs_gloo:>9.3f}")
     return result
