@@ -8,7 +8,6 @@ and is admitted at a step boundary (`shardshift.elastic.worker`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -29,11 +28,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
         parse_address(args.coordinator)
-        from shardshift.elastic.membership import connect
+        from shardshift.elastic.protocol import JobStore
 
         try:
-            store = connect(args.coordinator, args.timeout)
-            argv = json.loads(store.get("config/argv"))
+            store = JobStore.connect(args.coordinator, args.timeout)
+            argv = store.argv()
         except (RuntimeError, OSError) as err:
             raise ValueError(f"--coordinator {args.coordinator}: no elastic job answers there ({err})") from None
         job = build_parser(argv).parse_args(argv)

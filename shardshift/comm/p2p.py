@@ -158,11 +158,19 @@ class Transport:
             batch = [dist.P2POp(dist.isend if is_send else dist.irecv, op.tensor, group=self.group,
                                 tag=op.tag, group_peer=op.peer) for is_send, op in ops]  # fmt: skip
             return PostedRound(self, dist.batch_isend_irecv(batch), ops, what, batched=True)
-        works = [self.recv(op.tensor, op.peer, op.tag) for _, op in ops]
+        works = [self._post(False, op, what) for _, op in ops]
         for op in sends:
-            works.append(self.send(op.tensor, op.peer, op.tag))
+            works.append(self._post(True, op, what))
             ops.append((True, op))
         return PostedRound(self, works, ops, what)
+
+    def _post(self, is_send: bool, op: PeerOp, what: Describe):
+        """Post one send or receive of a round; gloo refuses to post to a peer whose connection
+        has closed (it died): TransferError naming it, as a failed wait would."""
+        try:
+            return (self.send if is_send else self.recv)(op.tensor, op.peer, op.tag)
+        except RuntimeError as err:
+            raise self.error(op.peer, lambda: _describe_op(what, is_send, op), f"failed: {err}") from err
 
 
 def _text(what: Describe) -> str:

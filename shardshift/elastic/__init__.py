@@ -4,11 +4,16 @@
   (`ElasticConfig`, `Inject`; pure, checked before any process starts);
 - `policy`: the layout of a world that ``--layout-for`` does not name, the fastest that fits
   (`choose_layout`, on a `CostModel`; pure);
+- `protocol`: every key of the job's store, read and written through one typed object
+  (`JobStore`; its records `Epoch`, `CrashRecord`);
 - `coordinator`: the process that serves the job's store and starts and watches the workers
-  (`launch_elastic`); `membership`: the epochs of membership kept in that store (`Epoch`);
-- `worker`: one worker, which trains and at each step boundary agrees with the others on the next
-  world and moves its state there (`ElasticWorker`); its `lookout` thread sees a change coming
-  during a step (`Lookout`), and `ahead` plans that change before it (`Ahead`);
+  (`launch_elastic`); `membership`: a world's process groups, and a worker's heartbeat;
+- `worker`: one worker, the one training loop with the hooks of a changing world
+  (`ElasticWorker`); `change`: the next world and the plan into it (`plan_change`, pure);
+  `moving`: the move of the state into it; `admission`: how joiners join; `recovery`: the commit
+  vote and crash recovery (`WorldLost`); `faults`: scripted faults (`--inject`); its `lookout`
+  thread sees a change coming during a step (`Lookout`), and `ahead` plans that change before it
+  (`Ahead`);
 - `redundancy`: in-memory copies of the state, so that the pieces of crashed workers survive
   (`copy_duties`, `Copies`).
 
@@ -21,8 +26,10 @@ from shardshift._exports import lazy_exports
 _NAMES = {
     "ElasticConfig": ".config", "Inject": ".config", "check_every_world": ".config",
     "CostModel": ".policy", "choose_layout": ".policy",
-    "launch_elastic": ".coordinator", "Epoch": ".membership",
-    "ElasticWorker": ".worker", "WorldLost": ".worker", "Lookout": ".lookout", "Ahead": ".ahead",
+    "JobStore": ".protocol", "Epoch": ".protocol", "CrashRecord": ".protocol",
+    "launch_elastic": ".coordinator",
+    "ElasticWorker": ".worker", "plan_change": ".change", "WorldLost": ".recovery",
+    "Lookout": ".lookout", "Ahead": ".ahead",
     "Copies": ".redundancy", "copy_duties": ".redundancy",
 }  # fmt: skip
 __all__ = sorted(_NAMES)

@@ -10,11 +10,11 @@ processes it started, and how the job ends:
 - every worker that exits 0 is done or left on notice;
 - a worker it started whose heartbeat stops for `--heartbeat-timeout` (frozen, or cut off) is
   killed, and its death is a crash as below;
-- a signal to the coordinator (SIGINT, SIGTERM, SIGHUP) is written to the store (``stop``): the
+- a signal to the coordinator (SIGINT, SIGTERM, SIGHUP) is written to the store (a stop): the
   workers finish their step, save with ``--save``, and exit; what is left after the drain time is
   killed;
 - a worker of the current world that dies otherwise (a crash) is reported to the others in the
-  store (``crash/{epoch}``, once, with every worker that died within `_Crashes.SETTLE_S`); they
+  store (a `protocol.CrashRecord`, once, with every worker that died within `_Crashes.SETTLE_S`); they
   agree on the last committed step and go on without it (`worker.py`). A worker that fails after
   that, one that dies while the state moves into the next world (joiners included), or one the
   job cannot go on without, stops the job, naming it.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import shutil
 import signal
@@ -44,7 +43,8 @@ import torch.distributed as dist
 
 from shardshift.console import say
 from shardshift.elastic.config import ElasticConfig, parse_address
-from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV, last_beat, live_joiners
+from shardshift.elastic.membership import COORDINATOR_ENV, JOB_DIR_ENV, MEMBER_ENV
+from shardshift.elastic.protocol import CrashRecord, JobStore
 from shardshift.launch import DRAIN_S, GRACE_S, STOP_SIGNALS, Forked, fork_rank, import_for_forks, stop
 
 PRELOAD = ("shardshift.elastic.worker", "shardshift.train.run")  # what the workers run, imported before forking
@@ -111,10 +111,8 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
                        "LOCAL_WORLD_SIZE": str(nproc), MEMBER_ENV: str(rank)}, passthrough=rank == 0)
             for k in range(ecfg.joiners_to_start):
                 start(f"joiner-{k}", ["join", "--coordinator", address, "--timeout", repr(timeout_s)], {})
-            store = serve(listener, address, timeout_s)  # its threads start here, after the last fork
-            store.set("config/argv", json.dumps(list(argv)))
-            store.set("config/nproc", str(nproc))
-            store.set("spawn/started", str(ecfg.joiners_to_start))
+            store = JobStore(serve(listener, address, timeout_s))  # its threads start here, after the last fork
+            store.publish_job(list(argv), nproc, ecfg.joiners_to_start)
             say(f"coordinator at {address}: add a worker with `shardshift join --coordinator {address}`")
             status, failed = _watch(procs, store, signals, drain_s, ecfg.heartbeat_s)
             succeeded = status == 0
@@ -135,7 +133,7 @@ def launch_elastic(nproc: int, argv: Sequence[str], ecfg: ElasticConfig, *, time
             signal.signal(sig, handler)
 
 
-def _watch(procs: dict[str, Forked], store: dist.Store, signals: list[int], drain_s: float,
+def _watch(procs: dict[str, Forked], store: JobStore, signals: list[int], drain_s: float,
            heartbeat_s: float) -> tuple[int, tuple[str, int] | None]:
     """Wait for the job to end (module docstring): its status, and the worker whose crash ended it
     if one did. A crash of a worker of the current world is reported to the others (`_Crashes`),
@@ -145,7 +143,7 @@ def _watch(procs: dict[str, Forked], store: dist.Store, signals: list[int], drai
     survived: list[tuple[str, int]] = []
     while True:
         codes = {name: proc.poll() for name, proc in procs.items()}
-        if finished_by is None and store.check(["done"]):
+        if finished_by is None and store.done():
             finished_by = time.monotonic() + FINISH_GRACE_S
         if finished_by is not None and time.monotonic() > finished_by:
             # The job is done; a joiner still waiting exits by itself at once, unless it is stuck
@@ -158,9 +156,9 @@ def _watch(procs: dict[str, Forked], store: dist.Store, signals: list[int], drai
                 survived += [(name, procs[name].poll()) for name in left]
                 continue
         if signals and drained_by is None:
-            store.set("stop", str(signals[0]))
+            store.request_stop(signals[0])
             drained_by = time.monotonic() + drain_s
-        stopping = drained_by is not None or store.check(["stopped"])
+        stopping = drained_by is not None or store.stopped()
         # A worker killed by a signal comes first: its peers fail after it (their collectives break).
         ended = sorted(((n, c) for n, c in codes.items() if c not in (None, 0) and not (stopping and c > 128)
                         and (n, c) not in survived), key=lambda item: item[1] >= 0)
@@ -201,33 +199,34 @@ def _watch(procs: dict[str, Forked], store: dist.Store, signals: list[int], drai
 
 
 class _Crashes:
-    """Crashed workers of the current world, reported once in ``crash/{epoch}`` (the workers' only
+    """Crashed workers of the current world, reported once in a `CrashRecord` (the workers' only
     source for who is lost, so that every survivor plans from the same set): a short while after
     the first, so that workers that died together are reported together."""
 
     SETTLE_S = 0.3
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: JobStore) -> None:
         self.store = store
         self.pending: list[int] = []
         self.seen = 0.0  # time.time() of the first pending exit
         self.first_at = 0.0
         self.checked_at = 0.0  # the last heartbeat check (time.monotonic())
         self.stranger_checked_at = 0.0
-        self.beats: dict[int, tuple[bytes, float]] = {}  # a stranger's last heartbeat, and when it changed
+        self.beats: dict[int, tuple[float | None, float]] = {}  # a stranger's last heartbeat, and when it changed
         self.given_up: set[int] = set()  # strangers taken for dead
 
     def lost(self, pid: int) -> bool:
         """Note worker process `pid` as crashed; False when it is in no world the job trains in now
         (it had left, or was never admitted): then the job cannot be sure to go on."""
-        if not (self.store.check([f"pid/{pid}"]) and self.store.check(["epoch/current"])):
+        member = self.store.member_of(pid)
+        if member is None or self.store.current_number() is None:
             return False
-        return self._lose(int(self.store.get(f"pid/{pid}")))
+        return self._lose(member)
 
     def _lose(self, member: int) -> bool:
-        epoch = int(self.store.get("epoch/current"))
-        members = json.loads(self.store.get(f"epoch/{epoch}"))["members"]
-        if member not in members or self.store.check([f"crash/{epoch}"]) or self.store.check([f"epoch/{epoch + 1}"]):
+        epoch = self.store.current_number()
+        members = self.store.epoch(epoch).members
+        if member not in members or self.store.has_crash(epoch) or self.store.has_epoch(epoch + 1):
             # Not a member now, a second crash in the same world, or a crash while the state moves
             # into the next world (part of it in flight): not survived here.
             return False
@@ -239,30 +238,30 @@ class _Crashes:
     def joiner_gone(self, pid: int) -> bool:
         """A joiner the coordinator started exited: True, and it is passed over, if it had not been
         admitted yet (with a place in the queue, that place is marked dead)."""
-        if not self.store.check([f"pid/{pid}"]):
-            self.store.add("join/dead-before-ready", 1)
+        member = self.store.member_of(pid)
+        if member is None:
+            self.store.joiner_died_before_ready()
             return True
-        index = int(self.store.get(f"pid/{pid}")) - int(self.store.get("config/nproc"))
-        if self.store.check([f"join/admitted/{index}"]):
+        index = member - self.store.first_world_size()
+        if self.store.is_admitted(index):
             return False  # a member by now: a crash like any other
-        self.store.set(f"join/dead/{index}", "1")
+        self.store.mark_joiner_dead(index)
         return True
 
     def silent(self, procs: dict[str, Forked], heartbeat_s: float) -> list[str]:
         """Running workers of the current world whose last heartbeat is older than `heartbeat_s`
         (checked twice a second at most)."""
         now = time.monotonic()
-        if now - self.checked_at < 0.5 or not self.store.check(["epoch/current"]):
+        if now - self.checked_at < 0.5 or self.store.current_number() is None:
             return []
         self.checked_at = now
-        epoch = int(self.store.get("epoch/current"))
-        members = set(json.loads(self.store.get(f"epoch/{epoch}"))["members"])
+        members = set(self.store.current_epoch().members)
         out = []
         for name, proc in procs.items():
-            if proc.poll() is not None or not self.store.check([f"pid/{proc.pid}"]):
+            member = self.store.member_of(proc.pid) if proc.poll() is None else None
+            if member is None:
                 continue
-            member = int(self.store.get(f"pid/{proc.pid}"))
-            beat = last_beat(self.store, member)
+            beat = self.store.last_beat(member)
             if member in members and beat is not None and time.time() - beat > heartbeat_s:
                 out.append(name)
         return out
@@ -275,31 +274,28 @@ class _Crashes:
         whether that crash is survived), a joiner not admitted yet is marked dead (passed over).
         Checked at most twice a second, each worker once."""
         now = time.monotonic()
-        if now - self.stranger_checked_at < 0.5 or not self.store.check(["epoch/current"]):
+        if now - self.stranger_checked_at < 0.5 or self.store.current_number() is None:
             return []
         self.stranger_checked_at = now
-        epoch = json.loads(self.store.get(f"epoch/{int(self.store.get('epoch/current'))}"))
-        first = int(self.store.get("config/nproc"))
-        children = {int(self.store.get(f"pid/{p.pid}")) for p in procs.values() if self.store.check([f"pid/{p.pid}"])}
-        waiting = {first + i: i for i in live_joiners(self.store, epoch["admitted"])}
+        epoch = self.store.current_epoch()
+        children = {self.store.member_of(p.pid) for p in procs.values()} - {None}
+        waiting = {self.store.joiner_id(i): i for i in self.store.live_joiners(epoch.admitted)}
         out = []
-        for member in sorted((set(epoch["members"]) | set(waiting)) - children - self.given_up):
-            key = f"heartbeat/{member}"
-            beat = self.store.get(key) if self.store.check([key]) else b""
+        for member in sorted((set(epoch.members) | set(waiting)) - children - self.given_up):
+            beat = self.store.last_beat(member)
             if self.beats.get(member, (None,))[0] != beat:
                 self.beats[member] = (beat, now)
             elif now - self.beats[member][1] > heartbeat_s:
                 self.given_up.add(member)
                 if member in waiting:
-                    self.store.set(f"join/dead/{waiting[member]}", "1")
+                    self.store.mark_joiner_dead(waiting[member])
                     continue
                 out.append((member, self._lose(member)))
         return out
 
     def publish_if_settled(self) -> None:
         if self.pending and time.monotonic() - self.first_at > self.SETTLE_S:
-            epoch = int(self.store.get("epoch/current"))
-            self.store.set(f"crash/{epoch}", json.dumps({"lost": self.pending, "seen": self.seen}))
+            self.store.publish_crash(self.store.current_number(), CrashRecord(tuple(self.pending), self.seen))
             self.pending = []
 
 

@@ -4,8 +4,8 @@ The step boundary decides every change (`worker.ElasticWorker._control`: one all
 every worker decides alike). But most changes are announced before the boundary: a preemption
 notice (SIGTERM) reaches one worker some time during a step, and a joiner says it is ready in the
 store whenever its start-up is done. The lookout is a thread that looks every `LOOK_S` while a step
-runs: it publishes its own worker's notice in the store (``notice/{epoch}/{rank}``, counted in
-``notice/{epoch}``), and reads the others' notices and the joiners' queue. Each change it sees
+runs: it publishes its own worker's notice in the store (`protocol.JobStore.publish_notice`), and
+reads the others' notices and the joiners' queue. Each change it sees
 (the workers with a notice leaving; the ready joiners coming, counted as the boundary will count
 them) it hands to `foresee`, which plans it in the background (`ahead.Ahead`): by the boundary the
 plan is ready, and the pause is the move itself. What it sees is only a forecast: a change that
@@ -21,11 +21,8 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from shardshift.elastic.config import ElasticConfig, Observed
-from shardshift.elastic.membership import Epoch, live_joiners
-from shardshift.layout import Layout
+from shardshift.elastic.protocol import Epoch, JobStore
 
 LOOK_S = 0.1  # how often the lookout looks
 
@@ -35,8 +32,6 @@ class World:
     """The world while a step runs, as the lookout sees it."""
 
     epoch: Epoch
-    layout: Layout  # the trainer's
-    ranks: tuple[int, ...]  # the trainer's rank at each coordinate of `layout`
     observed: Observed  # the job's measured steps (the layout policy's calibration)
     step: int  # the step that runs
 
@@ -48,7 +43,7 @@ class Lookout:
     """Worker `member`'s lookout (module docstring). `noticed()`: whether this worker got a stop
     signal; `foresee(world, leaving, joiners)`: start planning that change."""
 
-    def __init__(self, store: dist.Store, member: int, ecfg: ElasticConfig, noticed: Callable[[], bool],
+    def __init__(self, store: JobStore, member: int, ecfg: ElasticConfig, noticed: Callable[[], bool],
                  foresee: Foresee) -> None:
         self.store, self.member, self.ecfg, self.noticed, self.foresee = store, member, ecfg, noticed, foresee
         self.world: World | None = None
@@ -76,13 +71,10 @@ class Lookout:
         if world is None:
             return
         epoch, store = world.epoch, self.store
-        notices = f"notice/{epoch.number}"
         if self.noticed() and epoch.number not in self._published and self.member in epoch.members:
             self._published.add(epoch.number)
-            store.set(f"{notices}/{epoch.members.index(self.member)}", "1")
-            store.add(notices, 1)
-        noticed = store.add(notices, 0)
-        leaving = frozenset(m for r, m in enumerate(epoch.members) if noticed and store.check([f"{notices}/{r}"]))
+            store.publish_notice(epoch.number, epoch.members.index(self.member))
+        leaving = frozenset(epoch.members[r] for r in store.notices(epoch.number, epoch.world_size))
         joiners = tuple(self._coming(world))
         for change in ((leaving, ()), (frozenset(), joiners)):
             if any(change) and (epoch.number, *change) not in self._seen and self.world is world:
@@ -95,5 +87,4 @@ class Lookout:
         room = self.ecfg.admits(world.epoch.world_size, self.ecfg.inject_at(world.step))
         if not room:
             return []
-        first = int(self.store.get("config/nproc"))
-        return [first + i for i in live_joiners(self.store, world.epoch.admitted)[:room]]
+        return [self.store.joiner_id(i) for i in self.store.live_joiners(world.epoch.admitted)[:room]]

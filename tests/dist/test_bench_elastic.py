@@ -9,7 +9,7 @@ import json
 import pytest
 
 from shardshift.cli.main import main
-from shardshift.elastic.worker import PHASES
+from shardshift.elastic.moving import PHASES
 from support import REPO
 from support.cli import run_shardshift
 

@@ -13,7 +13,7 @@ import torch
 from shardshift.layout import Layout
 from shardshift.models import model_spec
 from shardshift.train.config import TrainConfig
-from shardshift.train.run import tree_calls
+from shardshift.train.report import tree_calls
 from shardshift.train.trainer import Trainer
 from support.cli import run_shardshift
 from support.dist import run_distributed

@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from shardshift.elastic.ahead import Ahead
+from shardshift.elastic.change import Request, plan_change
 from shardshift.elastic.config import ElasticConfig
-from shardshift.elastic.worker import plan_change
+from shardshift.elastic.protocol import Epoch
 from shardshift.layout import Layout
 from shardshift.train.config import TrainConfig
 from support.models import gpt
@@ -69,7 +70,8 @@ def test_a_change_planned_ahead_is_the_change_planned_at_the_boundary(leaving, j
     cfg = TrainConfig(layout=Layout(fsdp=4), model=SMALL, steps=4, global_batch=12)
     ecfg = ElasticConfig(min_nproc=2, max_nproc=6,
                          layouts=((3, Layout(fsdp=3)), (5, Layout(dp=5)), (6, Layout(dp=3, fsdp=2))))
-    args = (cfg, ecfg, (0, 1, 2, 3), Layout(fsdp=4), (0, 1, 2, 3), leaving, joiners, 1, "join", 7, 2)
+    old = Epoch(0, (0, 1, 2, 3), Layout(fsdp=4), 3)
+    args = (cfg, ecfg, old, Request("join", 7, 2, leaving=frozenset(leaving), joiners=tuple(joiners)))
     now = plan_change(*args)
     ahead = Ahead()
     try:

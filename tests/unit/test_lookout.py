@@ -11,24 +11,24 @@ import torch.distributed as dist
 
 from shardshift.elastic.config import ElasticConfig, Inject
 from shardshift.elastic.lookout import Lookout, World
-from shardshift.elastic.membership import Epoch, register_joiner
+from shardshift.elastic.protocol import Epoch, JobStore
 from shardshift.layout import Layout
 
 EPOCH = Epoch(3, (0, 5, 2), Layout(fsdp=3), 5, admitted=1)  # worker ids in rank order; one joiner admitted
-WORLD = World(EPOCH, Layout(fsdp=3), (0, 1, 2), (), 6)
+WORLD = World(EPOCH, (), 6)
 
 
 @pytest.fixture
 def store():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
-    server.set("config/nproc", "3")
+    JobStore(server).publish_job([], 3, 0)
     return server
 
 
 def _lookouts(store, ecfg, noticed=(), members=EPOCH.members):
     seen = {m: [] for m in members}
-    lookouts = [Lookout(store, m, ecfg, lambda m=m: m in noticed, lambda w, leaving, joiners, m=m:
+    lookouts = [Lookout(JobStore(store), m, ecfg, lambda m=m: m in noticed, lambda w, leaving, joiners, m=m:
                         seen[m].append((w, leaving, joiners))) for m in members]
     for lookout in lookouts:
         lookout.world = WORLD
@@ -40,7 +40,7 @@ def test_a_notice_is_published_and_every_worker_foresees_that_leave_once(store):
     for _ in range(2):
         for lookout in lookouts:  # worker 0 looks before worker 5 published: it sees it the next time
             lookout.look()
-    assert store.check(["notice/3/1"]) and store.add("notice/3", 0) == 1  # rank 1 is worker 5
+    assert JobStore(store).notices(3, 3) == {1}  # rank 1 is worker 5
     assert all(seen[m] == [(WORLD, frozenset({5}), ())] for m in EPOCH.members)
 
 
@@ -49,10 +49,10 @@ def test_the_ready_joiners_are_foreseen_as_the_boundary_will_count_them(store):
     lookouts[0].look()
     assert seen[0] == []  # nobody ready
     for _ in range(3):
-        register_joiner(store)  # queue places 0 (admitted before), 1 and 2: worker ids 4 and 5
+        JobStore(store).register_joiner()  # queue places 0 (admitted before), 1 and 2: worker ids 4 and 5
     lookouts[0].look()
     assert seen[0] == [(WORLD, frozenset(), (4,))]  # room for one more worker
-    store.set("join/dead/1", "1")
+    JobStore(store).mark_joiner_dead(1)
     lookouts[0].look()
     assert seen[0][1:] == [(WORLD, frozenset(), (5,))]  # a dead joiner is passed over
 
@@ -61,10 +61,10 @@ def test_a_scripted_join_is_foreseen_only_for_its_step_and_its_number(store):
     ecfg = ElasticConfig(min_nproc=1, max_nproc=6, injects=(Inject(7, "join", (2,)),))
     lookouts, seen = _lookouts(store, ecfg)
     for _ in range(4):
-        register_joiner(store)
+        JobStore(store).register_joiner()
     lookouts[0].look()
     assert seen[0] == []  # the join follows step 7; step 6 runs
-    lookouts[0].world = World(EPOCH, Layout(fsdp=3), (0, 1, 2), (), 7)
+    lookouts[0].world = World(EPOCH, (), 7)
     lookouts[0].look()
     assert [joiners for _, _, joiners in seen[0]] == [(4, 5)]
 
@@ -76,7 +76,7 @@ def test_the_thread_looks_while_a_world_is_set_and_stops_when_closed(store):
     lookout.start()
     try:
         time.sleep(0.3)
-        assert seen[2] == [] and not store.check(["notice/3/2"])  # no world: it does nothing
+        assert seen[2] == [] and JobStore(store).notices(3, 3) == set()  # no world: it does nothing
         lookout.world = WORLD
         deadline = time.monotonic() + 20
         while not seen[2] and time.monotonic() < deadline:

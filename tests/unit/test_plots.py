@@ -22,7 +22,7 @@ from shardshift.plots.canvas import parse_pixels
 from shardshift.plots.runs import draw_runs
 from shardshift.plots.topology import draw_packing
 from shardshift.train.config import TrainConfig
-from shardshift.train.run import Metrics, report_step
+from shardshift.train.report import Metrics, report_step
 from shardshift.train.switch import SwitchReport
 from shardshift.train.trainer import StepResult
 from support import REPO

@@ -97,3 +97,18 @@ def test_a_deadline_that_passed_fails_without_waiting():
     assert err.value.peer == 1
     with pytest.raises(ValueError, match="give seconds > 0"):
         Deadline.after(0)
+
+
+def test_a_peer_whose_connection_closed_fails_the_round_as_it_is_posted_naming_it():
+    """gloo refuses at once to post a send to a peer that died (its connection closed): the round
+    fails with a TransferError naming the peer and the round, not with gloo's RuntimeError."""
+
+    class Closed(LocalGroup):
+        def send(self, tensors, peer, tag):
+            raise RuntimeError(f"Connection closed by peer {peer}")
+
+    transport = Transport(Closed.world(2)[0])
+    with pytest.raises(TransferError, match=r"rank 0: switch round 1 of 2: sending 16 B to rank 1 .*Connection closed") \
+            as err:
+        transport.post_round([PeerOp(1, torch.zeros(4))], [], "switch round 1 of 2")
+    assert err.value.peer == 1

@@ -1,0 +1,155 @@
+"""Surviving a crash: a worker gone without notice, at any moment.
+
+- **Nobody keeps a half-applied update** (`CommitVote`). Before the optimizer steps, every worker
+  votes in the store (one counter per step). A step is applied only once all of the world voted;
+  a worker that finds a loss reported before that aborts the step (`StepAborted`), and since the
+  count is final once the dead worker is gone, every survivor decides alike. All of a step's
+  collectives come before the vote, so a survivor whose collective broke has not applied it either.
+- **Everyone plans from the same loss** (`CrashRecovery`). The coordinator writes the crashed
+  workers of the current world once (`protocol.CrashRecord`); a survivor whose collective broke,
+  or whose vote stalls, waits for that record (up to the timeout; otherwise the error stands).
+- **Each piece comes from a copy.** The survivors form the next world and move the state as for a
+  leave, every piece the lost worker held taken from a replica or a kept copy (``--redundancy``).
+  A piece with no surviving copy sends the survivors to the newest checkpoint of ``--save``
+  instead: they form their world, load it, and report the steps lost. Fewer survivors than
+  ``--min-nproc``, or no copy and no checkpoint, stop the job with that message (`WorldLost`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from shardshift.elastic import membership
+from shardshift.elastic.change import Request, plan_change
+from shardshift.elastic.config import layout_for
+from shardshift.elastic.moving import move, worst
+from shardshift.elastic.protocol import Epoch
+from shardshift.train import checkpoint
+from shardshift.train.catalog import checkpoints
+from shardshift.train.loop import Hook, Loop
+from shardshift.train.run import RunFailed
+from shardshift.train.trainer import Trainer
+
+if TYPE_CHECKING:
+    from shardshift.elastic.member import ElasticWorker
+
+VOTE_POLL_S = 0.002
+RECORD_POLL_S = 0.01
+
+
+class WorldLost(RunFailed):
+    """Workers were lost and the job cannot go on in the running processes."""
+
+    def __init__(self, what: str, save: str | None) -> None:
+        where = f"resume with --resume {save}" if save else "start again (give --save to have checkpoints)"
+        super().__init__(f"{what}: the job stops; {where}")
+
+
+class CommitVote(Hook):
+    """The vote before the optimizer steps (module docstring). Scripted kills and leaves strike
+    here, inside the step (`faults`), and the gradients of the kept copies are sent before it."""
+
+    def __init__(self, worker: ElasticWorker) -> None:
+        self.worker = worker
+
+    def commit(self, loop: Loop, step: int) -> bool:
+        """True once every worker of this world has its gradients for `step`; False when the
+        coordinator reports a worker of this world lost before all had voted. Every survivor
+        decides alike: the count a lost worker left behind is final once its loss is reported."""
+        worker = self.worker
+        epoch, store = worker.epoch, worker.store
+        worker.faults.strike_in_step(step, epoch.number, loop.rank, lambda: bool(worker.signals.received))
+        if worker.copies is not None:
+            worker.copies.send_gradients()  # a worker lost meanwhile breaks it: the step is not voted
+        if store.vote(epoch.number, step) == epoch.world_size:
+            store.mark_all_voted(epoch.number, step)
+            return True
+        while not store.all_voted(epoch.number, step):
+            if store.has_crash(epoch.number):
+                return store.votes(epoch.number, step) == epoch.world_size
+            time.sleep(VOTE_POLL_S)
+        return True
+
+    def applied(self, loop: Loop) -> None:
+        if self.worker.copies is not None:
+            self.worker.copies.step()
+
+
+class CrashRecovery(Hook):
+    """A worker of this world crashed: agree on who is lost, and go on in a world of the survivors."""
+
+    def __init__(self, worker: ElasticWorker) -> None:
+        self.worker = worker
+
+    def recover(self, loop: Loop, err: Exception) -> bool:
+        """The survivors agree on who is lost (the coordinator's record; `err` is raised again if
+        none comes within the timeout: it was not about a loss), and move the state into a world of
+        the survivors, each piece from a surviving copy; without one, from the newest checkpoint."""
+        worker = self.worker
+        noticed = time.monotonic()
+        worker.lookout.world = None
+        epoch, trainer = worker.epoch, worker.trainer
+        while (record := worker.store.crash(epoch.number)) is None:
+            if time.monotonic() - noticed > worker.timeout_s:
+                raise err
+            time.sleep(RECORD_POLL_S)
+        lost = frozenset(record.lost)
+        if worker.member in lost:  # silent too long (frozen, cut off): the others went on without it
+            raise RunFailed(f"this worker (id {worker.member}) was taken for lost after step "
+                            f"{trainer.progress.step}, and the others went on without it; it exits")
+        detect = max(0.0, time.time() - record.seen)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        survivors = [m for m in epoch.members if m not in lost]
+        if len(survivors) < worker.ecfg.min_nproc:
+            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step}, leaving "
+                            f"{len(survivors)}, fewer than --min-nproc {worker.ecfg.min_nproc}", worker.cfg.save)
+        duties = worker.copies.duties if worker.copies is not None else ()
+        request = Request("crash", trainer.progress.step, epoch.admitted, lost=lost, copies=duties,
+                          observed=worker.observed())
+        try:
+            change = plan_change(worker.cfg, worker.ecfg, epoch, request, ahead=worker.ahead)
+        except ValueError as no_copy:
+            self._restart_from_checkpoint(survivors, lost, no_copy, noticed, detect)
+            return True
+        if dist.get_rank() == min(epoch.members.index(m) for m in survivors):
+            worker.store.admit(change.epoch, ())
+        used_copies = any(seg.copy_of is not None for seg in change.plan.segments)
+        move(worker, change, noticed, detect_s=detect, recovered_from="redundancy" if used_copies else "replica")
+        return True
+
+    def _restart_from_checkpoint(self, survivors: list[int], lost: frozenset[int], why: ValueError, noticed: float,
+                                 detect: float) -> None:
+        """No surviving copy of some piece: the survivors form their world and load the newest
+        checkpoint of `--save` (the steps since it are lost, and run again)."""
+        worker = self.worker
+        trainer, epoch, cfg = worker.trainer, worker.epoch, worker.cfg
+        newest = checkpoints(Path(cfg.save)) if cfg.save else []
+        if not newest:
+            beyond = (f" (more workers failed at once than --redundancy {worker.ecfg.redundancy} covers)"
+                      if worker.ecfg.redundancy else "")
+            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}{beyond}; "
+                            "there is no checkpoint either (give --save)", None)
+        layout = layout_for(len(survivors), worker.ecfg, cfg, worker.observed())
+        new_cfg = cfg.with_layout(layout)
+        step_before = trainer.progress.step
+        next_epoch = Epoch(epoch.number + 1, tuple(survivors), layout, step_before, "crash", epoch.admitted,
+                           observed=worker.observed())
+        worker.leave_world()
+        rank = survivors.index(worker.member)
+        if rank == 0:
+            worker.store.admit(next_epoch, ())
+        membership.init_world(worker.store.store, next_epoch, rank, worker.timeout_s, "gloo")
+        worker.cfg = new_cfg
+        trainer = Trainer(new_cfg, rank, worker.device_type, tokens=worker.tokens, timeout_s=worker.timeout_s)
+        checkpoint.load(trainer, newest[0])
+        worker.enter_world(Epoch(next_epoch.number, next_epoch.members, layout, trainer.progress.step, "crash",
+                                 epoch.admitted, observed=next_epoch.observed), trainer)
+        pause = worst(dist.group.WORLD, [time.monotonic() - noticed, detect])
+        worker.opened({"kind": "crash", "from_world": epoch.world_size, "to_world": len(survivors),
+                       "from": str(epoch.layout), "to": str(layout), "detect_seconds": pause[1],
+                       "pause_seconds": pause[0], "bytes_moved": 0, "steps_lost": step_before - trainer.progress.step,
+                       "recovered_from": "checkpoint", "checkpoint": str(newest[0])})
