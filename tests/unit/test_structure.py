@@ -21,8 +21,7 @@ PACKAGE = REPO / "shardshift"
 LAYERS = ["cli", "bench", "netemu", "elastic", "simulate", "train", "models", "reshard", "plots", "collectives", "comm", "base"]
 BASE = {"layout", "units", "textfile", "console", "launch", "runtime", "_exports", "__init__", "data"}
 # What harnesses above may use of the layers they sit beside (never the other way round):
-# the switch bench starts its restart baseline with the train command's own argument builder.
-SIDEWAYS = {("bench", "netemu"), ("netemu", "collectives"), ("bench", "cli")}
+SIDEWAYS = {("bench", "netemu"), ("netemu", "collectives")}
 # Pure planning: usable with no process group.
 PURE = ["collectives/planning", "collectives/topology/model.py", "collectives/topology/io.py",
         "collectives/topology/spec.py", "collectives/topology/presets.py", "collectives/execution/program.py",
