@@ -161,9 +161,9 @@ class ScheduledSwitches(Hook):
     (planned, its meshes and storage-less model built) ahead of time, so that at its step only the
     state moves."""
 
-    def __init__(self, loop_cfg: TrainConfig, trainer: Trainer) -> None:
-        self.pending = [(step, layout) for step, layout in loop_cfg.switches if step > trainer.progress.step]
-        self.budget = loop_cfg.switch_budget
+    def __init__(self, cfg: TrainConfig, trainer: Trainer) -> None:
+        self.pending = [(step, layout) for step, layout in cfg.switches if step > trainer.progress.step]
+        self.budget = cfg.switch_budget
         self.prepared = self._prepare(trainer)
 
     def _prepare(self, trainer: Trainer):

@@ -4,8 +4,9 @@ How a run ends, and its exit status (the same on every rank):
 
 - 0: it reached `stop_at` (a checkpoint saved there when `--save` is given);
 - 128 + the signal: SIGTERM (preemption, the launcher passing on Ctrl-C), SIGINT or SIGHUP (the
-  terminal closed) arrived. The handler only records it; after each step the ranks agree (one tiny all-reduce) whether any got
-  one, finish that step, save a checkpoint when `--save` is given, and exit together;
+  terminal closed) arrived. The handler only records it; after each step the ranks agree (the
+  loop's one all-reduce at the boundary: `loop.StopOnSignal`) whether any got one, finish that
+  step, save a checkpoint when `--save` is given, and exit together;
 - 3: a step diverged (a non-finite loss or gradient norm, `trainer.Diverged`): the step is not
   applied and nothing of it is saved;
 - 1: a switch failed while moving the state (a peer died, a transfer timed out): the state is
