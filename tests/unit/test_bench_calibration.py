@@ -30,9 +30,11 @@ def test_the_kernel_s_page_rates_are_finite_and_unmapping_is_the_cheaper():
 def test_a_large_block_is_mapped_apart_and_its_room_is_not_the_heap_s():
     free, share = heap_state()
     assert free >= 0 and 0 <= share <= 1
-    # Above glibc's largest mmap threshold (32 MiB on 64-bit), a block gets a mapping of its own:
-    # while it lives, the share of live bytes mapped apart grows; freed, it leaves no room behind.
-    block = torch.ones(256 << 20, dtype=torch.uint8)
+    # A block above glibc's largest mmap threshold (32 MiB on 64-bit) that no free chunk of the
+    # heap can hold gets a mapping of its own (glibc looks in its free chunks first: earlier tests
+    # may have left more than 256 MiB there). While it lives, the share of live bytes mapped apart
+    # grows; freed, it leaves no room behind. Never written: mapped, not touched.
+    block = torch.empty(max(256 << 20, int(free) + (64 << 20)), dtype=torch.uint8)
     _, held_share = heap_state()
     assert held_share > share
     del block
