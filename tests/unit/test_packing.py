@@ -33,6 +33,7 @@ from shardshift.collectives.planning.routing import RoutePricer
 from shardshift.collectives.topology.io import load_topology
 from shardshift.collectives.topology.model import Link, Topology
 from shardshift.collectives.topology.presets import cluster, dgx1v, fat_tree, full, ring
+from support import DOCS
 
 UNIT = 25e9  # one NVLink, bytes/s
 EXACT = PackOptions(keep=1.0)  # no pruning: the LP optimum itself
@@ -271,7 +272,7 @@ def test_shallow_packings_on_hetero4():
     """The fast 4-ring with slow diagonals: the unrestricted LP reaches the all-reduce bound with
     6-hop pieces (Hamiltonian chains up and down); depth <= 2 trees reach it with 4 hops, and
     `auto` keeps those. Broadcast needs depth 3 for its bound, so `auto` keeps the deep trees."""
-    t = load_topology("docs/topologies/hetero4.yaml")
+    t = load_topology(DOCS / "topologies" / "hetero4.yaml")
     deep = pack(t, "allreduce", options=PackOptions(keep=1.0, depth="any"))
     auto = pack(t, "allreduce", options=PackOptions(keep=1.0))
     assert deep.rate == pytest.approx(deep.bound, rel=1e-6) and deep.depth == 6
@@ -409,7 +410,7 @@ def test_topo_pack_text_yaml_and_errors(tmp_path, capsys):
     assert code == 0 and {r for _, _, r in json.loads(out)["pair_rates"]} == {25e6}
     code, _, err = _cli(["topo", "show", "--preset", "ring", "--ranks", "3", "--bandwidth", "25mbps"], capsys)
     assert code == 2 and "ambiguous" in err
-    code, out, _ = _cli(["topo", "pack", "--topology", "docs/topologies/hetero4.yaml", "--op", "allreduce",
+    code, out, _ = _cli(["topo", "pack", "--topology", str(DOCS / "topologies" / "hetero4.yaml"), "--op", "allreduce",
                          "--depth", "any", "--json"], capsys)  # fmt: skip
     assert code == 0 and json.loads(out)["depth"] == 6 and "/shallow" not in json.loads(out)["construction"]
     code, _, err = _cli(["topo", "pack", "--preset", "ring", "--ranks", "6", "--op", "broadcast",

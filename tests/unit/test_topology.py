@@ -7,6 +7,7 @@ import pytest
 from shardshift.collectives.topology.io import load_topology, topology_from_dict
 from shardshift.collectives.topology.model import Link, Topology, pair_rates
 from shardshift.collectives.topology.presets import DGX1V_NVLINKS, cluster, dgx1v, fat_tree, full, preset, ring
+from support import DOCS
 
 GB = 1e9
 
@@ -165,7 +166,7 @@ def test_cluster_refuses_bad_parameters(params, needle):
 
 
 def test_shipped_cluster_file_reads_its_units(tmp_path):
-    t = load_topology("docs/topologies/cluster-dynatrain.yaml")
+    t = load_topology(DOCS / "topologies" / "cluster-dynatrain.yaml")
     want = cluster(64, spines=16)
     assert (t.num_ranks, t.num_switches, t.names) == (512, want.num_switches, want.names)
     assert [(l.src, l.dst, l.capacity) for l in t.links] == [(l.src, l.dst, l.capacity) for l in want.links]
