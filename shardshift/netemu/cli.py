@@ -54,12 +54,9 @@ def rates_from_spec(spec: str, n: int) -> dict[tuple[int, int], float]:
 
 def rates_from_file(path: Path, n: int | None) -> tuple[dict[tuple[int, int], float], int]:
     """Read a rates file (see the module docstring); returns (rates, n)."""
-    import yaml  # JSON is YAML; one parser reads both
+    from shardshift.textfile import read_yaml  # JSON is YAML; one parser reads both
 
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"cannot read rates file {path}: {err}") from None
+    doc = read_yaml(path, "--rates-file", "a JSON or YAML rates file")
     if not isinstance(doc, dict) or not set(doc) <= {"nproc", "default", "rates"}:
         raise ValueError(f"rates file {path} must be a mapping with keys nproc (optional), "
                          f"default (optional) and rates ({{'0-1': '200mbit', ...}})")

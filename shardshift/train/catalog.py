@@ -289,6 +289,9 @@ def choose(where: str, run: RunIdentity | None, missing_ok: bool = False) -> Cho
         return Choice(path, manifest, tuple(skipped))
     if missing_ok and not candidates:
         return Choice(None, None, tuple(skipped))
+    if len(skipped) == 1 and not (missing_ok and candidates):  # one line: the checkpoint and why
+        path, reason = skipped[0]
+        raise ValueError(f"{flag}: no complete checkpoint in it: {path.name}: {reason}")
     why = "".join(f"\n  {p}: {reason}" for p, reason in skipped)
     hint = "\n  repair them, or move them away to start afresh" if missing_ok and candidates else ""
     raise ValueError(f"{flag}: no complete checkpoint in it{':' if why else ''}{why}{hint}")

@@ -131,10 +131,13 @@ class TrainConfig:
         if self.collectives != "trees":
             raise ValueError("--topology describes the network the trees are packed on: give --collectives trees too")
         from shardshift.collectives.topology.spec import is_probe, topology_from_spec
+        from shardshift.textfile import FileError
 
         if not is_probe(self.topology):
             try:
-                topology_from_spec(self.topology, self.layout.world_size)
+                topology_from_spec(self.topology, self.layout.world_size, flag="--topology")
+            except FileError:
+                raise  # it names --topology and the file already
             except ValueError as err:
                 raise ValueError(f"--topology: {err}") from None
 

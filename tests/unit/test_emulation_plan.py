@@ -67,3 +67,6 @@ def test_rate_spec_and_file(tmp_path):
     assert n == 3 and rates[(2, 1)] == 300 * MBIT and rates[(1, 2)] == 1000 * MBIT
     with pytest.raises(ValueError, match="differs"):
         rates_from_file(path, 4)
+    path.write_bytes(b"nproc: \xec\x00")
+    with pytest.raises(ValueError, match=rf"^--rates-file {path}: not UTF-8 text \(byte 7 is 0xec\); give a JSON or YAML"):
+        rates_from_file(path, None)

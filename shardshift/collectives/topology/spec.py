@@ -37,13 +37,14 @@ def is_probe(spec: str) -> bool:
     return spec.strip().lower() == PROBE
 
 
-def topology_from_spec(spec: str, num_ranks: int) -> Topology:
-    """The topology named by `spec` for a group of `num_ranks` ranks (see module docstring)."""
+def topology_from_spec(spec: str, num_ranks: int, flag: str = FILE) -> Topology:
+    """The topology named by `spec` for a group of `num_ranks` ranks (see module docstring);
+    `flag` names a topology file in its errors (the flag that gave it, where there is one)."""
     text = spec.strip()
     name, _, arg = text.partition(":")
     key = name.lower().replace("_", "-")
     if key not in _NAMED and os.path.exists(text):
-        topology = load_topology(text, FILE)  # its errors name the file and what it should be
+        topology = load_topology(text, flag)  # its errors name the file and what it should be
     else:
         try:
             topology = _named(key, arg, text, num_ranks)
