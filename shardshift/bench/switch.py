@@ -80,6 +80,7 @@ from shardshift.bench.restart import Restart, RestartFailed, restart_job
 from shardshift.console import say
 from shardshift.launch import STORE_ENV
 from shardshift.layout import Layout
+from shardshift.models.space import state_space
 from shardshift.plots.canvas import check_drawable
 from shardshift.reshard.plan import plan_transition
 from shardshift.runtime import run_in_group
@@ -87,7 +88,6 @@ from shardshift.simulate.host_memory import PageWork
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import load_tokens
-from shardshift.models.space import state_space
 from shardshift.train.state import local
 from shardshift.train.switch import SwitchReport
 from shardshift.train.trainer import Trainer
