@@ -25,7 +25,12 @@ way, side by side in one run.
    every event's pause and not in this figure.
 
 The ratios are ``restart_seconds / pause_seconds``, with their geometric means for joins and
-leaves together and for crashes.
+leaves together and for crashes; the crashes' pauses are summed up as their median and maximum.
+
+``--crashes N`` is a job of crashes alone: a 3-worker ring (``dp=3``; ``dp=2`` between a crash and
+the join that follows it) loses a worker inside steps 2, 4, ... (a SIGKILL before its vote, each
+time another rank) and gets one back after steps 3, 5, ...: N crash pauses, their median and
+maximum, with the job's own ``--timeout`` (none of them may wait for it).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class ElasticBenchOptions:
         if self.nproc < 2:
             raise ValueError(f"--nproc {self.nproc}: give at least 2 workers")
         if not self.injects:
-            raise ValueError("no events: give --suite or --inject STEP:EVENT")
+            raise ValueError("no events: give --suite, --crashes N or --inject STEP:EVENT")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout {self.timeout_s} must be > 0 seconds")
         if self.overhead_steps == 1 or self.overhead_steps < 0:
@@ -162,6 +167,7 @@ class ElasticBenchResult:
     global_batch: int
     events: tuple[EventRecord, ...]
     geomean_restart_over_pause: dict[str, float | None]  # joins and leaves ("join_leave"), crashes (`summary`)
+    crash_pauses: dict[str, float | int | None]  # the crashes' pauses: count, median, max (`crash_pauses`)
     median_step_seconds: float  # of the elastic job
     redundancy: RedundancyOverhead | None  # None: not measured
 
@@ -169,7 +175,7 @@ class ElasticBenchResult:
         return {"model": self.model, "params": self.params, "dtype": self.dtype, "global_batch": self.global_batch,
                 "events": [e.as_dict() for e in self.events],
                 "geomean_restart_over_pause": self.geomean_restart_over_pause,
-                "median_step_seconds": self.median_step_seconds,
+                "crash_pauses": self.crash_pauses, "median_step_seconds": self.median_step_seconds,
                 "redundancy_overhead": None if self.redundancy is None else self.redundancy.overhead,
                 "redundancy": None if self.redundancy is None else dataclasses.asdict(self.redundancy)}
 
@@ -254,6 +260,16 @@ def summary(events: Sequence[EventRecord]) -> dict[str, float | None]:
     return {"join_leave": _geomean(ratios[("join", "leave")]), "crash": _geomean(ratios[("crash",)])}
 
 
+def crash_pauses(events: Sequence[EventRecord]) -> dict[str, float | int | None]:
+    """The crashes' pauses: how many, their median and their maximum (None without a crash)."""
+    pauses = sorted(e.pause_seconds for e in events if e.kind == "crash")
+    if not pauses:
+        return {"count": 0, "median": None, "max": None}
+    middle = len(pauses) // 2
+    median = pauses[middle] if len(pauses) % 2 else (pauses[middle - 1] + pauses[middle]) / 2
+    return {"count": len(pauses), "median": median, "max": pauses[-1]}
+
+
 def report(opts: ElasticBenchOptions, events: list[EventRecord], records: list[dict],
            overhead: RedundancyOverhead | None) -> None:
     """Print the events beside their restarts: one JSON object (`ElasticBenchResult`), or the table.
@@ -262,7 +278,7 @@ def report(opts: ElasticBenchOptions, events: list[EventRecord], records: list[d
     step_times = [r["step_time_s"] for r in records if "step_time_s" in r]
     result = ElasticBenchResult(model=opts.cfg.model.name, params=opts.cfg.model.num_params(), dtype=opts.cfg.dtype,
                                 global_batch=opts.cfg.global_batch, events=tuple(events),
-                                geomean_restart_over_pause=means,
+                                geomean_restart_over_pause=means, crash_pauses=crash_pauses(events),
                                 median_step_seconds=sorted(step_times)[len(step_times) // 2], redundancy=overhead)
     if opts.json:
         print(json.dumps(result.as_dict()))
@@ -280,6 +296,10 @@ def report(opts: ElasticBenchOptions, events: list[EventRecord], records: list[d
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print(f"geometric mean restart/pause: joins and leaves {fmt(means['join_leave'])}, crashes {fmt(means['crash'])}; "
           f"median step {result.median_step_seconds:.2f} s")
+    crashes = result.crash_pauses
+    if crashes["count"]:
+        print(f"{crashes['count']} crash(es): pause median {crashes['median']:.2f} s, max {crashes['max']:.2f} s "
+              f"(--timeout {opts.timeout_s:g} s)")
     if overhead:
         print(f"--redundancy 1 under {overhead.layout}: median step {overhead.step_seconds_redundancy_1:.2f} s "
               f"against {overhead.step_seconds:.2f} s without: {overhead.overhead:.1%} of tokens/s")

@@ -230,6 +230,18 @@ def _run_switch(args: argparse.Namespace) -> int:
 # a join 3->4.
 ELASTIC_SUITE = ("2:kill=3", "3:leave=2", "4:join=1", "5:join=1", "6:kill=1", "7:join=1")
 ELASTIC_SUITE_LAYOUTS = ((4, Layout(dp=2, fsdp=2)), (3, Layout(fsdp=3)), (2, Layout(fsdp=2)))
+# `bench elastic --crashes N`: a 3-worker ring that loses a worker inside every other step and gets
+# one back after the next.
+CRASH_RING_LAYOUTS = ((3, Layout(dp=3)), (2, Layout(dp=2)))
+
+
+def crash_ring(crashes: int) -> tuple[str, ...]:
+    """The events of `--crashes N`: a kill inside steps 2, 4, ... (rank 0, 1, 2, 0, ...), a join
+    after steps 3, 5, ..."""
+    events = []
+    for k in range(crashes):
+        events += [f"{2 + 2 * k}:kill={k % 3}", f"{3 + 2 * k}:join=1"]
+    return tuple(events)
 
 
 def _add_elastic(benches) -> None:
@@ -240,6 +252,9 @@ def _add_elastic(benches) -> None:
                         f"{' '.join(f'{n}:{layout}' for n, layout in ELASTIC_SUITE_LAYOUTS)}")
     p.add_argument("--inject", action="append", default=[], metavar="STEP:EVENT",
                    help="an event after step STEP (repeatable): join=N, leave=RANK, kill=RANK")
+    p.add_argument("--crashes", type=int, default=0, metavar="N",
+                   help="N kills inside a step of a 3-worker ring (dp=3), each followed by a join: the crashes' "
+                        "pauses, median and max (no restart column, no overhead jobs)")
     p.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",
                    help="the layout of a world of N workers (otherwise fsdp=N, else dp=N)")
     p.add_argument("--model", default="base", help="model size: test, tiny, small, medium, base")
@@ -260,18 +275,27 @@ def _elastic_options(args: argparse.Namespace):
     from shardshift.models import model_spec
     from shardshift.train.config import TrainConfig
 
-    if args.suite and args.inject:
-        raise ValueError("give either --suite or --inject, not both")
+    if sum(map(bool, (args.suite, args.inject, args.crashes))) > 1:
+        raise ValueError("give one of --suite, --inject and --crashes")
+    if args.crashes < 0:
+        raise ValueError(f"--crashes {args.crashes} must be >= 1")
     if args.suite and args.nproc != 4:
         raise ValueError(f"the default suite is for 4 workers, not --nproc {args.nproc}; script events with --inject")
-    injects = tuple(Inject.parse(text) for text in (ELASTIC_SUITE if args.suite else args.inject))
-    layouts = tuple(parse_layout_for(text) for text in args.layout_for) or (ELASTIC_SUITE_LAYOUTS if args.suite else ())
-    first = dict(layouts).get(args.nproc, Layout(fsdp=args.nproc))
+    if args.crashes and (args.nproc, args.layout_for) != (4, []):
+        raise ValueError("--crashes runs its own 3-worker ring: leave out --nproc and --layout-for")
+    script = ELASTIC_SUITE if args.suite else crash_ring(args.crashes) if args.crashes else args.inject
+    injects = tuple(Inject.parse(text) for text in script)
+    layouts = tuple(parse_layout_for(text) for text in args.layout_for) or (
+        ELASTIC_SUITE_LAYOUTS if args.suite else CRASH_RING_LAYOUTS if args.crashes else ())
+    nproc = 3 if args.crashes else args.nproc
+    first = dict(layouts).get(nproc, Layout(fsdp=nproc))
     steps = max((i.step for i in injects), default=0) + 2  # one step after the last event, and the one it redoes
     cfg = TrainConfig(layout=first, model=model_spec(args.model), steps=steps,
                       dtype=args.dtype, global_batch=args.global_batch, log_every=0)
-    return ElasticBenchOptions(cfg=cfg, nproc=args.nproc, injects=injects, layouts=layouts, restart=args.restart,
-                               overhead_steps=args.overhead_steps, timeout_s=args.timeout, json=args.json)
+    return ElasticBenchOptions(cfg=cfg, nproc=nproc, injects=injects, layouts=layouts,
+                               restart=args.restart and not args.crashes,
+                               overhead_steps=0 if args.crashes else args.overhead_steps, timeout_s=args.timeout,
+                               json=args.json)
 
 
 def _run_elastic(args: argparse.Namespace) -> int:

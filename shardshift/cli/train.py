@@ -269,6 +269,12 @@ def _elastic_run(args: argparse.Namespace) -> int:
         if args.device == "cuda":
             raise ValueError("--elastic runs on the CPU with gloo in this build (the state moves between worlds over "
                              "gloo groups of CPU tensors): leave --device out or pass --device cpu")
+        from shardshift.elastic.membership import COORDINATOR_ENV
+
+        if in_worker() and COORDINATOR_ENV not in os.environ:
+            raise ValueError("--elastic does not run under torchrun (or another launcher): its own coordinator forms "
+                             "each world. Run `shardshift train --elastic --nproc K ...` on one host, then `shardshift "
+                             "join --coordinator HOST:PORT` (the address it prints) on each other host")
         nproc, cfg, ecfg = elastic_job(args)
         if not in_worker():
             _check_before_launch(cfg, args.log_dir)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 Observed = tuple[tuple[Layout, float], ...]  # measured step times of this job: (layout, seconds)
 
-INJECT_KINDS = ("join", "leave", "kill", "term", "movekill")
+INJECT_KINDS = ("join", "leave", "kill", "term", "movekill", "wedge")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,9 @@ class Inject:
     world after that step moves the state (they leave at the boundary after it);
     ``movekill=P[,P...]``: those processes of the first change of world after that step (the old
     world's workers that live, in rank order, then the joiners) get a real SIGKILL as the state
-    starts to move."""
+    starts to move; ``wedge=R``: inside that step the world's last rank gets a real SIGKILL, and
+    rank R (another) waits to receive from the rank after it, which never sends: a survivor blocked
+    on another survivor that has left the world to recover."""
 
     step: int
     kind: str
@@ -40,12 +42,14 @@ class Inject:
         match = re.fullmatch(r"\s*(\d+)\s*:\s*(\w+)\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*", text)
         if match is None or match.group(2) not in INJECT_KINDS or (match.group(2) == "join" and "," in match.group(3)):
             raise ValueError(f"--inject {text!r} is not STEP:join=N, STEP:leave=RANK[,RANK...], "
-                             "STEP:kill=RANK[,RANK...], STEP:term=RANK[,RANK...] or STEP:movekill=PROCESS[,...]; "
-                             "write e.g. --inject 5:leave=3")
+                             "STEP:kill=RANK[,RANK...], STEP:term=RANK[,RANK...], STEP:movekill=PROCESS[,...] or "
+                             "STEP:wedge=RANK; write e.g. --inject 5:leave=3")
         step, kind = int(match.group(1)), match.group(2)
         values = tuple(int(v) for v in match.group(3).split(","))
         if step < 1:
             raise ValueError(f"--inject {text!r}: the step must be >= 1 (the event follows that step)")
+        if kind == "wedge" and len(values) != 1:
+            raise ValueError(f"--inject {text!r}: wedge one rank")
         if kind == "join" and values[0] < 1:
             raise ValueError(f"--inject {text!r}: join at least one worker")
         if len(set(values)) != len(values):

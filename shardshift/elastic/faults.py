@@ -8,7 +8,12 @@ running job with the signals a real one gets.
 - ``term=R``: a SIGTERM to those workers of the old world while the first change of world after
   STEP moves the state (they leave at the boundary after it);
 - ``movekill=P``: a SIGKILL to those processes of the first change of world after STEP as the state
-  starts to move (the old world's workers that live, in rank order, then the joiners).
+  starts to move (the old world's workers that live, in rank order, then the joiners);
+- ``wedge=R``: inside step STEP, before the votes, a SIGKILL to the world's last rank, and rank R
+  waits to receive from the rank after it, which never sends (it sees the crash in its vote and
+  leaves the world to recover): a survivor blocked in a transfer on another survivor, which gloo
+  cannot cancel. Only leaving the broken world at once (`watch`) gets rank R out before
+  ``--timeout``.
 
 ``join=N`` is not a fault: the coordinator starts N joiners, admitted at that boundary
 (`admission`). Each event fires once, in the first epoch that reaches it: a step run again after a
@@ -20,6 +25,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+import torch
+import torch.distributed as dist
 
 from shardshift.elastic.change import Change
 from shardshift.elastic.config import ElasticConfig, Inject
@@ -42,8 +50,8 @@ class Faults:
         return inject
 
     def strike_in_step(self, step: int, epoch: int, rank: int, noticed) -> None:
-        """Inside step `step`, before the vote: ``kill`` and ``leave`` of this rank. `noticed()`
-        says whether this process's handler has recorded its notice yet."""
+        """Inside step `step`, before the vote: ``kill``, ``leave`` and ``wedge`` of this rank.
+        `noticed()` says whether this process's handler has recorded its notice yet."""
         inject = self.due(step, "kill", epoch)
         if inject is not None and rank in inject.ranks:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -53,6 +61,13 @@ class Faults:
             deadline = time.monotonic() + NOTICE_WAIT_S
             while not noticed() and time.monotonic() < deadline:
                 time.sleep(0.001)
+        inject = self.due(step, "wedge", epoch)
+        if inject is not None:
+            world = dist.get_world_size()
+            if rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif rank == inject.values[0]:
+                dist.recv(torch.empty(1), (rank + 1) % world)  # never sent: only a broken world ends it
 
     def strike_while_moving(self, change: Change, member: int) -> None:
         """As `change` starts to move the state: ``term`` and ``movekill`` of worker `member`."""

@@ -20,6 +20,7 @@ from shardshift.elastic.faults import Faults
 from shardshift.elastic.lookout import Lookout, World
 from shardshift.elastic.protocol import Epoch, JobStore
 from shardshift.elastic.redundancy import Copies, copy_duties
+from shardshift.elastic.watch import BrokenWorldWatch
 from shardshift.layout import Layout
 from shardshift.models.space import state_space
 from shardshift.runtime import process_from_env
@@ -50,6 +51,7 @@ class ElasticWorker:
         self.faults = Faults(ecfg, store)
         self.ahead = Ahead()  # changes worked out before they happen
         self.lookout: Lookout | None = None  # while it trains: what it sees coming goes to `ahead`
+        self.watch = BrokenWorldWatch(store.address, timeout_s)  # severs a broken world's connections
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
         # The job's measured step times (the slowest rank's), by layout, the same on every worker of
         # the world: the layout policy's calibration (`observed`). A world's first step is left
@@ -103,9 +105,11 @@ class ElasticWorker:
         self.loop.trainer = trainer
         if trainer is not None:
             self._keep_copies(trainer.rank)
+            self.watch.arm(epoch.number)
 
     def leave_world(self) -> TrainingState:
         """Leave this world's process groups; the state this worker held in it."""
+        self.watch.disarm()
         trainer = self.trainer
         trainer.release_runtime()
         self.loop.trainer = None
@@ -169,6 +173,7 @@ class ElasticWorker:
             # The signal handlers stay to the end of the process (`_finish`): a stop signal that
             # comes late must not cut the clean-up short.
             self.lookout.close()
+            self.watch.close()
             self.metrics.close()
 
     def _foresee(self, world: World, leaving: frozenset[int], joiners: tuple[int, ...]) -> None:

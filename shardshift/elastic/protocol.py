@@ -17,7 +17,7 @@ commit vote, and from its lookout and heartbeat threads.
 | ``join/dead/{i}``, ``join/dead-before-ready`` | joiners that died before admission | coordinator | rank 0, lookouts |
 | ``admit/{e}/{step}`` | the queue places admitted after that step (JSON) | rank 0 | the world's other ranks |
 | ``notice/{e}``, ``notice/{e}/{rank}`` | notices to leave (a counter; the rank's flag) | the rank's lookout | lookouts |
-| ``commit/{e}/{step}``, ``…/all`` | the step's votes (a counter); every worker voted | workers | workers |
+| ``commit/{e}/{step}``, ``…/decision`` | the step's votes (a counter); apply or abort, set once | workers | workers |
 | ``crash/{e}`` | the workers lost from epoch e (`CrashRecord`, JSON) | coordinator | survivors |
 | ``stop``, ``stopped``, ``done`` | a signal to stop the job; the job stopped; it finished | coordinator; rank 0; rank 0 | workers; coordinator; both |
 | ``inject/{event}/…`` | scripted events fired once (`--inject`) | workers | workers |
@@ -271,11 +271,16 @@ class JobStore:
     def votes(self, epoch: int, step: int) -> int:
         return self.store.add(f"commit/{epoch}/{step}", 0)
 
-    def mark_all_voted(self, epoch: int, step: int) -> None:
-        self.store.set(f"commit/{epoch}/{step}/all", "1")
+    def decide(self, epoch: int, step: int, apply: bool) -> bool:
+        """Propose whether `step` of `epoch` is applied; the decision, which the first proposal made
+        (one compare-and-set: whoever reads it later reads the same, whatever was counted since)."""
+        key = f"commit/{epoch}/{step}/decision"
+        return self.store.compare_set(key, "", "apply" if apply else "abort").decode() == "apply"
 
-    def all_voted(self, epoch: int, step: int) -> bool:
-        return self._has(f"commit/{epoch}/{step}/all")
+    def decision(self, epoch: int, step: int) -> bool | None:
+        """Whether `step` of `epoch` is applied, once decided (None before)."""
+        key = f"commit/{epoch}/{step}/decision"
+        return self.store.get(key).decode() == "apply" if self._has(key) else None
 
     def publish_crash(self, epoch: int, record: CrashRecord) -> None:
         self.store.set(f"crash/{epoch}", record.to_json())

@@ -2,12 +2,21 @@
 
 - **Nobody keeps a half-applied update** (`CommitVote`). Before the optimizer steps, every worker
   votes in the store (one counter per step). A step is applied only once all of the world voted;
-  a worker that finds a loss reported before that aborts the step (`StepAborted`), and since the
-  count is final once the dead worker is gone, every survivor decides alike. All of a step's
-  collectives come before the vote, so a survivor whose collective broke has not applied it either.
+  a worker that finds a loss reported before that aborts the step (`StepAborted`). The decision is
+  written once (a compare-and-set), so every worker reads the same one, even if a worker taken for
+  lost is still alive and votes late; such a worker finds itself in the record and exits (it is
+  fenced off). All of a step's collectives come before the vote, so a survivor whose collective
+  broke has not applied it either.
 - **Everyone plans from the same loss** (`CrashRecovery`). The coordinator writes the crashed
   workers of the current world once (`protocol.CrashRecord`); a survivor whose collective broke,
   or whose vote stalls, waits for that record (up to the timeout; otherwise the error stands).
+- **Nobody waits out a timeout** (`BrokenWorldWatch`). A survivor can be blocked in a collective
+  or a transfer on another survivor, which has seen the crash and left the world to recover: gloo
+  cannot cancel that wait, and it would last until ``--timeout``. So every worker watches for the
+  crash record of the world it trains in, from a thread of its own: once the record is there and
+  the worker has not begun to recover, the thread severs this process's connections of the world
+  (`watch`, `comm.sever`), and whatever the worker waits for fails at once; it then recovers as
+  above.
 - **Each piece comes from a copy.** The survivors form the next world and move the state as for a
   leave, every piece the lost worker held taken from a replica or a kept copy (``--redundancy``).
   A piece with no surviving copy sends the survivors to the newest checkpoint of ``--save``
@@ -58,21 +67,30 @@ class CommitVote(Hook):
 
     def commit(self, loop: Loop, step: int) -> bool:
         """True once every worker of this world has its gradients for `step`; False when the
-        coordinator reports a worker of this world lost before all had voted. Every survivor
-        decides alike: the count a lost worker left behind is final once its loss is reported."""
+        coordinator reports a worker of this world lost before all had voted. The decision is one
+        compare-and-set in the store, made by the first worker that can make it (the last to vote,
+        or the first to read the crash record): every worker reads the same, and a vote that comes
+        after it (a worker taken for lost that wakes up) changes nothing. A worker that finds itself
+        reported lost does not vote: it was fenced off, and exits."""
         worker = self.worker
         epoch, store = worker.epoch, worker.store
         worker.faults.strike_in_step(step, epoch.number, loop.rank, lambda: bool(worker.signals.received))
         if worker.copies is not None:
             worker.copies.send_gradients()  # a worker lost meanwhile breaks it: the step is not voted
+        self._check_not_lost(store.crash(epoch.number), step)
         if store.vote(epoch.number, step) == epoch.world_size:
-            store.mark_all_voted(epoch.number, step)
-            return True
-        while not store.all_voted(epoch.number, step):
-            if store.has_crash(epoch.number):
-                return store.votes(epoch.number, step) == epoch.world_size
+            return store.decide(epoch.number, step, apply=True)
+        while (decided := store.decision(epoch.number, step)) is None:
+            if (record := store.crash(epoch.number)) is not None:
+                self._check_not_lost(record, step)
+                return store.decide(epoch.number, step, apply=store.votes(epoch.number, step) == epoch.world_size)
             time.sleep(VOTE_POLL_S)
-        return True
+        return decided
+
+    def _check_not_lost(self, record, step: int) -> None:
+        if record is not None and self.worker.member in record.lost:
+            raise RunFailed(f"this worker (id {self.worker.member}) was taken for lost during step {step}, and the "
+                            "others went on without it; it applies nothing and exits")
 
     def applied(self, loop: Loop) -> None:
         if self.worker.copies is not None:
@@ -91,6 +109,7 @@ class CrashRecovery(Hook):
         the survivors, each piece from a surviving copy; without one, from the newest checkpoint."""
         worker = self.worker
         noticed = time.monotonic()
+        worker.watch.disarm()
         worker.lookout.world = None
         epoch, trainer = worker.epoch, worker.trainer
         while (record := worker.store.crash(epoch.number)) is None:

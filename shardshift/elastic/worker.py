@@ -101,6 +101,7 @@ class Membership(Hook):
     def _change(self, loop: Loop, control: Control) -> None:
         worker = self.worker
         decided_at = time.monotonic()
+        worker.watch.disarm()  # nothing of the next world's connections may be cut
         worker.lookout.world = None
         old, store, step = worker.epoch, worker.store, loop.trainer.progress.step
         places = store.admissions(old.number, step) if control.joins else []
@@ -142,6 +143,7 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: 
     if not admission.join(worker, lambda member: membership.start_heartbeat(address, member, ecfg.heartbeat_interval_s,
                                                                  timeout_s)):
         worker.ahead.close()
+        worker.watch.close()
         _remove_job_dir_if_orphaned(parent)
         say("shardshift: the job stopped or ended before this worker was admitted", "stderr")
         return 0
@@ -162,6 +164,7 @@ def _finish(worker: ElasticWorker, parent: int) -> int:
         return exit_status(lambda: worker.run(hooks(worker)))
     finally:
         worker.ahead.close()
+        worker.watch.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         _remove_job_dir_if_orphaned(parent)

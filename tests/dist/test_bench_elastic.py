@@ -17,9 +17,12 @@ from support.cli import run_shardshift
 def test_bad_input_exits_2_before_anything_starts(capsys):
     for args, needle in [
         (["--nproc", "3", "--suite"], "the default suite is for 4 workers"),
-        (["--nproc", "2"], "no events: give --suite or --inject"),
+        (["--nproc", "2"], "no events: give --suite, --crashes N or --inject"),
         (["--nproc", "2", "--inject", "1:leave=1", "--inject", "2:leave=0"], "the events leave 0 workers"),
-        (["--suite", "--inject", "1:leave=1"], "either --suite or --inject"),
+        (["--suite", "--inject", "1:leave=1"], "give one of --suite, --inject and --crashes"),
+        (["--crashes", "2", "--suite"], "give one of --suite, --inject and --crashes"),
+        (["--crashes", "2", "--nproc", "5"], "--crashes runs its own 3-worker ring"),
+        (["--crashes", "-1"], "--crashes -1 must be >= 1"),
         (["--suite", "--overhead-steps", "1"], "give 0 (skip) or at least 2"),
     ]:
         assert main(["bench", "elastic", *args, "--model", "test"]) == 2, args
@@ -65,3 +68,19 @@ def test_an_event_is_timed_beside_its_restart_and_redundancy_beside_none(budget)
     assert redundancy["layout"] == "fsdp=2" and redundancy["steps"] == 2
     assert redundancy["step_seconds"] > 0 and redundancy["step_seconds_redundancy_1"] > 0
     assert out["redundancy_overhead"] == 1 - redundancy["step_seconds"] / redundancy["step_seconds_redundancy_1"]
+
+
+def test_crashes_are_kills_in_a_three_worker_ring_with_their_pauses_summed_up(budget):
+    """`--crashes 2`: a 3-worker ring loses a worker inside steps 2 and 4 and gets one back after
+    steps 3 and 5; the crashes' pauses are counted, their median and maximum given."""
+    run = run_shardshift(["bench", "elastic", "--crashes", "2", "--model", "test", "--global-batch", "6", "--json",
+                          "--timeout", "120"], timeout=budget.left(), cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert [(e["kind"], e["step"], e["from"], e["to"]) for e in out["events"]] == [
+        ("crash", 1, "dp=3", "dp=2"), ("join", 3, "dp=2", "dp=3"), ("crash", 3, "dp=3", "dp=2"),
+        ("join", 5, "dp=2", "dp=3")]
+    pauses = sorted(e["pause_seconds"] for e in out["events"] if e["kind"] == "crash")
+    assert out["crash_pauses"] == {"count": 2, "median": pytest.approx(sum(pauses) / 2), "max": pauses[-1]}
+    assert all(e["restart_seconds"] is None and e["steps_lost"] == 0 for e in out["events"])
+    assert out["redundancy"] is None

@@ -57,3 +57,15 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     assert clash.returncode != 0
     assert f"--save {tmp_path / 'ckpt'} holds checkpoints already (newest step-00000003)" in clash.stderr, \
         clash.stderr[-3000:]
+
+
+def test_elastic_under_torchrun_is_refused_before_anything_starts_with_the_recipe(tmp_path, budget):
+    """torchrun forms one fixed world and starts no coordinator: every worker refuses at once, in one
+    line that says how to run an elastic job over several machines."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", "train",
+                          "--elastic", "--model", "test", "--save", str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=budget.left())
+    assert run.returncode != 0
+    assert "--elastic does not run under torchrun" in run.stderr and "shardshift join --coordinator" in run.stderr
+    assert "KeyError" not in run.stderr and not (tmp_path / "ckpt").exists(), run.stderr[-3000:]

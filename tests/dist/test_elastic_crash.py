@@ -1,0 +1,87 @@
+"""Crashes never wait out a timeout: a survivor blocked on another survivor that has left the broken
+world leaves it at once (`elastic.watch`), and kill after kill inside a step of a 3-worker ring is
+survived with pauses far below ``--timeout``, the losses the fixed run's. Every fault is real (a
+SIGKILL inside the step, a wait in gloo on a live peer); each test ends with no process of the job
+alive (checked by PID)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from shardshift.cli.bench import crash_ring
+from support.cli import run_shardshift
+from support.training import metrics, step_losses
+
+RTOL = 1e-9
+TIMEOUT = "120"  # --timeout: a wait that lasted it would show as a pause of two minutes
+STRUCTURAL_S = 30  # far below the timeout: the pause did not wait for it (not a speed target)
+
+
+def _run(tmp_path, steps: int, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return run_shardshift(["train", "--model", "test", "--dtype", "float64", "--global-batch", "6", "--seed", "4",
+                           "--steps", str(steps), "--log-every", "1", *args], timeout=timeout)
+
+
+def _fixed_losses(tmp_path, steps: int, timeout: float) -> dict[int, float]:
+    run = _run(tmp_path, steps, "--nproc", "1", "--metrics", str(tmp_path / "fixed.jsonl"), timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return step_losses(tmp_path / "fixed.jsonl")
+
+
+def _alive(marker: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want)
+    torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)]),
+                               torch.tensor([want[s] for s in sorted(want)]), rtol=RTOL, atol=0)
+    assert want[1] != want[max(want)]  # not vacuous: training moved the loss
+
+
+def test_a_survivor_blocked_on_a_survivor_that_left_to_recover_leaves_at_once(tmp_path, budget):
+    """dp=3: inside step 3 rank 2 is SIGKILLed, and rank 0 waits to receive from rank 1, which
+    never sends: rank 1 sees the crash in its vote and leaves the world to recover, while rank 0's
+    wait is on rank 1's live connection, which gloo cannot cancel. Without leaving a broken world at
+    once, rank 0 waits out --timeout (120 s) and the pause shows it; rank 0's watch severs its
+    connections when the crash is recorded, its wait fails, and it recovers with rank 1 from the
+    replicas: no step lost, the fixed run's losses."""
+    want = _fixed_losses(tmp_path, 6, budget.left())
+    run = _run(tmp_path, 6, "--elastic", "--nproc", "3", "--layout-for", "3:dp=3", "--layout-for", "2:dp=2",
+               "--inject", "3:wedge=0", "--timeout", TIMEOUT, "--metrics", str(tmp_path / "elastic.jsonl"),
+               "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["kind"], e["from"], e["to"], e["steps_lost"]) for e in events] == [("crash", "dp=3", "dp=2", 0)]
+    assert events[0]["pause_seconds"] < STRUCTURAL_S, events[0]
+    _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), want)
+    assert not _alive(str(tmp_path))
+
+
+@pytest.mark.parametrize("layout, redundancy", [("dp", "0"), ("fsdp", "1")])
+def test_kill_after_kill_inside_a_step_of_a_three_worker_ring_never_waits_for_the_timeout(tmp_path, budget, layout,
+                                                                                          redundancy):
+    """A 3-worker ring (dp=3: pieces from replicas; fsdp=3: from the copies --redundancy 1 keeps)
+    loses a worker inside steps 2, 4, 6, 8 and 10 (SIGKILL before its vote, a different rank each
+    time) and gets one back after steps 3, 5, 7, 9 and 11: five crashes per ring, ten over both.
+    Every crash's pause is far below --timeout (120 s), no step is lost, and the losses are the
+    fixed run's."""
+    steps, kills = 12, 5
+    want = _fixed_losses(tmp_path, steps, budget.left())
+    injects = [arg for event in crash_ring(kills) for arg in ("--inject", event)]  # as `bench elastic --crashes`
+    run = _run(tmp_path, steps, "--elastic", "--nproc", "3", "--max-nproc", "3", "--redundancy", redundancy,
+               "--layout-for", f"3:{layout}=3", "--layout-for", f"2:{layout}=2", *injects, "--timeout", TIMEOUT,
+               "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
+               timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    crashes = [e for e in events if e["kind"] == "crash"]
+    assert len(crashes) == kills and len(events) == 2 * kills, [(e["kind"], e["step"]) for e in events]
+    assert all(e["steps_lost"] == 0 and e["pause_seconds"] < STRUCTURAL_S for e in crashes), crashes
+    _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), want)
+    assert not _alive(str(tmp_path))

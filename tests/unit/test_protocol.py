@@ -1,0 +1,67 @@
+"""The job's store protocol (`elastic.protocol`), over a real c10d store: records round-trip, a
+step's decision is made once whatever is counted after it, and reads of what is not written yet
+say so instead of blocking."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from shardshift.elastic.protocol import CrashRecord, Epoch, JobStore
+from shardshift.layout import Layout
+
+
+@pytest.fixture
+def store() -> JobStore:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    job = JobStore(server)
+    job.publish_job(["train", "--elastic"], 3, 2)
+    return job
+
+
+def test_records_round_trip_and_unwritten_keys_read_as_absent(store):
+    assert store.current_epoch() is None and store.crash(0) is None and store.member_of(123) is None
+    epoch = Epoch(4, (0, 5, 2), Layout(fsdp=3), 7, "join", admitted=3, observed=((Layout(dp=2), 0.25),))
+    store.publish_epoch(epoch)
+    store.set_current(4)
+    assert store.current_epoch() == epoch == Epoch.from_json(epoch.to_json())
+    store.publish_crash(4, CrashRecord((5,), 12.5))
+    assert store.crash(4) == CrashRecord((5,), 12.5) and store.has_crash(4) and not store.has_crash(3)
+    store.register_process(5, pid=123)
+    assert store.member_of(123) == 5
+    assert store.argv() == ["train", "--elastic"] and store.joiner_id(1) == 4 and store.joiners_started() == 2
+
+
+def test_a_steps_decision_is_made_once_whatever_is_counted_after_it(store):
+    assert store.decision(1, 6) is None
+    for _ in range(2):
+        store.vote(1, 6)
+    assert store.decide(1, 6, apply=store.votes(1, 6) == 3) is False  # a loss was seen with 2 of 3 votes
+    assert store.vote(1, 6) == 3  # a worker taken for lost votes late
+    assert store.decide(1, 6, apply=True) is False and store.decision(1, 6) is False  # nothing changes
+    assert store.decide(1, 7, apply=True) is True and store.decision(1, 7) is True
+
+
+def test_notices_joiners_and_admissions(store):
+    assert store.notices(2, 3) == frozenset()
+    store.publish_notice(2, 1)
+    assert store.notices(2, 3) == {1}
+    places = [store.register_joiner() for _ in range(3)]
+    assert places == [0, 1, 2] and store.ready_joiners() == 3
+    store.mark_joiner_dead(1)
+    assert store.live_joiners(0) == [0, 2] and store.live_joiners(1) == [2]
+    store.set_admissions(2, 9, [0, 2])
+    assert store.admissions(2, 9) == [0, 2]
+    epoch = Epoch(3, (0, 1, 2, 3, 5), Layout(dp=5), 9, "join", admitted=3)
+    store.admit(epoch, [0, 2])
+    assert store.is_admitted(0) and store.is_admitted(2) and not store.is_admitted(1)
+    assert store.wait_for_admission(2) == epoch
+
+
+def test_a_scripted_event_fires_in_the_first_epoch_that_reaches_it_and_once_per_actor(store):
+    assert store.claim_event("3:kill=1", 2) and store.claim_event("3:kill=1", 2)  # every rank of epoch 2
+    assert not store.claim_event("3:kill=1", 3)  # the step run again in the next world
+    assert store.fire_once("5:term=0", "rank0") and not store.fire_once("5:term=0", "rank0")
