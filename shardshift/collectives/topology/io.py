@@ -26,7 +26,6 @@ from shardshift.collectives.topology.presets import PRESETS, preset
 from shardshift.textfile import naming, read_yaml
 from shardshift.units import parse_duration, parse_rate
 
-
 TOPOLOGY_FILE = "a YAML topology file (docs/topology.md)"  # what --topology names, for messages
 
 
