@@ -283,7 +283,7 @@ class _Crashes:
         out = []
         for member in sorted((set(epoch.members) | set(waiting)) - children - self.given_up):
             beat = self.store.last_beat(member)
-            if self.beats.get(member, (None,))[0] != beat:
+            if member not in self.beats or self.beats[member][0] != beat:
                 self.beats[member] = (beat, now)
             elif now - self.beats[member][1] > heartbeat_s:
                 self.given_up.add(member)

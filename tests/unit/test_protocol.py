@@ -65,3 +65,22 @@ def test_a_scripted_event_fires_in_the_first_epoch_that_reaches_it_and_once_per_
     assert store.claim_event("3:kill=1", 2) and store.claim_event("3:kill=1", 2)  # every rank of epoch 2
     assert not store.claim_event("3:kill=1", 3)  # the step run again in the next world
     assert store.fire_once("5:term=0", "rank0") and not store.fire_once("5:term=0", "rank0")
+
+
+def test_the_coordinator_takes_a_silent_stranger_for_lost_even_one_that_never_beat(store):
+    """A worker started elsewhere is watched by its heartbeat alone, by the coordinator's clock: one
+    that never beat is first seen, then taken for lost once --heartbeat-timeout has passed."""
+    import time
+
+    from shardshift.elastic.coordinator import _Crashes
+
+    store.publish_epoch(Epoch(1, (0, 1, 3), Layout(fsdp=3), 4, "join", admitted=1))
+    store.set_current(1)
+    crashes = _Crashes(store)
+    assert crashes.silent_strangers({}, heartbeat_s=0.2) == []  # 0, 1 and 3 seen for the first time
+    store.beat(0)
+    store.beat(1)
+    time.sleep(0.6)  # the coordinator looks twice a second at most
+    store.beat(0)
+    store.beat(1)
+    assert crashes.silent_strangers({}, heartbeat_s=0.2) == [(3, True)]  # 3 never beat; 0 and 1 did since
