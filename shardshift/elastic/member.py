@@ -52,6 +52,7 @@ class ElasticWorker:
         self.ahead = Ahead()  # changes worked out before they happen
         self.lookout: Lookout | None = None  # while it trains: what it sees coming goes to `ahead`
         self.watch = BrokenWorldWatch(store.address, timeout_s)  # severs a broken world's connections
+        self._store_failed = False  # a call of this thread's to the store failed (`orphaned`)
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
         # The job's measured step times (the slowest rank's), by layout, the same on every worker of
         # the world: the layout policy's calibration (`observed`). A world's first step is left
@@ -69,6 +70,15 @@ class ElasticWorker:
     @property
     def metrics(self) -> Metrics:
         return self.loop.metrics
+
+    @property
+    def store_gone(self) -> bool:
+        """Whether the job's store stopped answering (the coordinator is gone: `orphaned`)."""
+        return self._store_failed or self.watch.store_gone.is_set()
+
+    def lost_store(self) -> None:
+        """A call to the store failed: the coordinator is gone."""
+        self._store_failed = True
 
     # ---- worlds ----------------------------------------------------------------------------------
 

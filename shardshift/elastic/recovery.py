@@ -65,18 +65,27 @@ class CommitVote(Hook):
     def __init__(self, worker: ElasticWorker) -> None:
         self.worker = worker
 
-    def commit(self, loop: Loop, step: int) -> bool:
+    def commit(self, loop: Loop, step: int) -> bool | None:
         """True once every worker of this world has its gradients for `step`; False when the
         coordinator reports a worker of this world lost before all had voted. The decision is one
         compare-and-set in the store, made by the first worker that can make it (the last to vote,
         or the first to read the crash record): every worker reads the same, and a vote that comes
         after it (a worker taken for lost that wakes up) changes nothing. A worker that finds itself
-        reported lost does not vote: it was fenced off, and exits."""
+        reported lost does not vote: it was fenced off, and exits. None when the store stops
+        answering: the step stays pending (`orphaned`)."""
         worker = self.worker
-        epoch, store = worker.epoch, worker.store
-        worker.faults.strike_in_step(step, epoch.number, loop.rank, lambda: bool(worker.signals.received))
+        worker.faults.strike_in_step(step, worker.epoch.number, loop.rank, lambda: bool(worker.signals.received))
         if worker.copies is not None:
             worker.copies.send_gradients()  # a worker lost meanwhile breaks it: the step is not voted
+        try:
+            return self._vote(step)
+        except dist.DistError:
+            worker.lost_store()
+            return None
+
+    def _vote(self, step: int) -> bool:
+        worker = self.worker
+        epoch, store = worker.epoch, worker.store
         self._check_not_lost(store.crash(epoch.number), step)
         if store.vote(epoch.number, step) == epoch.world_size:
             return store.decide(epoch.number, step, apply=True)
@@ -108,6 +117,8 @@ class CrashRecovery(Hook):
         none comes within the timeout: it was not about a loss), and move the state into a world of
         the survivors, each piece from a surviving copy; without one, from the newest checkpoint."""
         worker = self.worker
+        if worker.store_gone:  # nobody can say who is lost: the error stands
+            return False
         noticed = time.monotonic()
         worker.watch.disarm()
         worker.lookout.world = None

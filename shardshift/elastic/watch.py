@@ -31,6 +31,7 @@ class BrokenWorldWatch:
         self.keep = [(host, int(port))]  # every store client of this process talks to it
         self.lock = threading.Lock()
         self.armed: int | None = None  # the epoch watched
+        self.store_gone = threading.Event()  # the job's store stopped answering: the coordinator is gone
         self._closed = threading.Event()
         threading.Thread(target=self._run, name="shardshift-watch", daemon=True).start()
 
@@ -52,7 +53,8 @@ class BrokenWorldWatch:
             try:
                 if epoch is None or not self.store.has_crash(epoch):
                     continue
-            except (RuntimeError, OSError):  # the coordinator is gone, and the job with it
+            except (RuntimeError, OSError):  # the coordinator is gone (`orphaned`)
+                self.store_gone.set()
                 return
             with self.lock:
                 if self.armed == epoch:

@@ -32,6 +32,7 @@ from shardshift.elastic.config import ElasticConfig
 from shardshift.elastic.lookout import World
 from shardshift.elastic.member import ElasticWorker
 from shardshift.elastic.moving import move
+from shardshift.elastic.orphaned import CoordinatorLoss
 from shardshift.elastic.protocol import JobStore
 from shardshift.elastic.recovery import CommitVote, CrashRecovery
 from shardshift.train.config import TrainConfig
@@ -65,9 +66,13 @@ class Membership(Hook):
     def vote(self, loop: Loop, result: StepResult) -> list[int]:
         worker, step = self.worker, result.step
         values = [0, 0, round(result.step_time_s * 1e6)] + [0] * worker.epoch.world_size
-        if loop.rank == 0:
-            values[0] = worker.store.stop_requested()
-            values[1] = admission.joins_now(worker, worker.faults.due(step, "join", worker.epoch.number), step)
+        if loop.rank == 0 and not worker.store_gone:
+            try:
+                values[0] = worker.store.stop_requested()
+                values[1] = admission.joins_now(worker, worker.faults.due(step, "join", worker.epoch.number), step)
+            except dist.DistError:  # the coordinator is gone: `orphaned.CoordinatorLoss` stops the job
+                worker.lost_store()
+                values[:2] = [0, 0]
         if worker.signals.received:
             values[3 + loop.rank] = 1
         return values
@@ -77,6 +82,8 @@ class Membership(Hook):
         leaving = tuple(r for r in range(worker.epoch.world_size) if values[3 + r])
         self.control = control = Control(values[0], values[1], values[2] / 1e6, leaving, worker.signals.received_at)
         worker.observe(control.step_seconds)
+        if worker.store_gone:  # whatever the notices say (the kernel signals a dead coordinator's workers)
+            return 0
         return control.stop or (signal.SIGTERM if self._too_few() else 0)
 
     def _too_few(self) -> bool:
@@ -86,7 +93,7 @@ class Membership(Hook):
         return self.worker.epoch.world_size - len(self.control.leaving) + self.control.joins
 
     def stopping(self, loop: Loop, signum: int) -> None:
-        if loop.rank != 0:
+        if loop.rank != 0 or self.worker.store_gone:
             return
         self.worker.store.mark_stopped(signum)  # the coordinator: exits now are not crashes
         if self._too_few():
@@ -116,13 +123,13 @@ class Membership(Hook):
         move(worker, change, decided_at, detect_s=detect)
 
     def finished(self, loop: Loop) -> None:
-        if loop.rank == 0:
+        if loop.rank == 0 and not self.worker.store_gone:
             self.worker.store.mark_done()
 
 
 def hooks(worker: ElasticWorker) -> list[Hook]:
     """The hooks of an elastic worker's loop."""
-    return [Membership(worker), CommitVote(worker), CrashRecovery(worker)]
+    return [Membership(worker), CoordinatorLoss(worker), CommitVote(worker), CrashRecovery(worker)]
 
 
 def member_main(cfg: TrainConfig, ecfg: ElasticConfig, timeout_s: float) -> int:
@@ -140,12 +147,17 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: 
     """A worker that joins the running job whose coordinator is at `address` (`shardshift join`)."""
     parent = os.getppid()
     worker = ElasticWorker(cfg, ecfg, JobStore.connect(address, timeout_s), -1, timeout_s)  # its id: its queue place
-    if not admission.join(worker, lambda member: membership.start_heartbeat(address, member, ecfg.heartbeat_interval_s,
-                                                                 timeout_s)):
+    try:
+        admitted = admission.join(worker, lambda member: membership.start_heartbeat(
+            address, member, ecfg.heartbeat_interval_s, timeout_s))
+        why = "the job stopped or ended"
+    except dist.DistError:
+        admitted, why = False, f"the job's coordinator at {address} went away"
+    if not admitted:
         worker.ahead.close()
         worker.watch.close()
         _remove_job_dir_if_orphaned(parent)
-        say("shardshift: the job stopped or ended before this worker was admitted", "stderr")
+        say(f"shardshift: {why} before this worker was admitted", "stderr")
         return 0
     return _finish(worker, parent)
 

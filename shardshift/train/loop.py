@@ -8,7 +8,9 @@ step, in order:
 
 1. every hook's `before_step` (a scheduled layout switch happens here, before the step it names);
 2. the step (`Trainer.train_step`): forward and backward, then every hook's `commit` vote (any False
-   aborts the step before anything of the state changes), the optimizer, every hook's `applied`;
+   aborts the step before anything of the state changes; None leaves it pending, its gradients
+   kept, for a hook to apply or drop once the boundary is agreed), the optimizer, every hook's
+   `applied`;
 3. rank 0 reports the step (the progress line and ``--metrics``);
 4. the ranks agree on the boundary in one all-reduce (maximum) of what every hook `vote`s, and each
    hook reads the agreed values (`agreed`), which may ask to stop with a signal;
@@ -26,6 +28,7 @@ recovered. At `stop_at`, rank 0 says the run's summary, and every hook's `finish
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -46,8 +49,10 @@ class Hook:
     def before_step(self, loop: Loop) -> None:
         """Before the step `loop.trainer.progress.step + 1` runs."""
 
-    def commit(self, loop: Loop, step: int) -> bool:
-        """Whether `step`, its gradients and loss known, may be applied (every rank asks alike)."""
+    def commit(self, loop: Loop, step: int) -> bool | None:
+        """Whether `step`, its gradients and loss known, may be applied (every rank asks alike); None
+        when that cannot be known yet: the step stays pending, and a hook applies or drops it at the
+        boundary (`Loop.apply_pending`, `Trainer.drop_pending`)."""
         return True
 
     def applied(self, loop: Loop) -> None:
@@ -102,9 +107,7 @@ class Loop:
                 hook.before_step(self)
             try:
                 result = self.trainer.train_step(commit=self._commit, applied=self._applied)
-                self.summary.stepped(result)
-                if self.rank == 0:
-                    report_step(self.trainer.cfg, result, self.metrics)
+                self._report(result)
                 stop = self._agree(result)
             except (RuntimeError, StepAborted) as err:  # a collective broke, or the vote failed
                 if isinstance(err, (Diverged, LostState)) or not any(h.recover(self, err) for h in self.hooks):
@@ -127,8 +130,24 @@ class Loop:
             for hook in self.hooks:
                 hook.finished(self)
 
-    def _commit(self, step: int) -> bool:
-        return all([hook.commit(self, step) for hook in self.hooks])  # every hook votes, even after a False
+    def _report(self, result: StepResult) -> None:
+        """A step applied, said by rank 0 (a pending one once a hook applies it: `apply_pending`)."""
+        if not result.applied:
+            return
+        self.summary.stepped(result)
+        if self.rank == 0:
+            report_step(self.trainer.cfg, result, self.metrics)
+
+    def apply_pending(self, result: StepResult) -> None:
+        """Apply the step `result` left pending (its vote's outcome came late), and report it."""
+        self.trainer.apply_pending()
+        self._report(dataclasses.replace(result, applied=True))
+
+    def _commit(self, step: int) -> bool | None:
+        """Every hook's vote (each is asked, even after a False): False if any is, else None (the
+        outcome unknown: the step stays pending) if any is, else True."""
+        votes = [hook.commit(self, step) for hook in self.hooks]
+        return False if False in votes else None if None in votes else True
 
     def _applied(self) -> None:
         for hook in self.hooks:

@@ -60,6 +60,7 @@ class StepResult:
     lr: float
     step_time_s: float
     tokens_per_s: float
+    applied: bool = True  # False: the step is pending (`Trainer.apply_pending`), nothing of the state changed
 
 
 class Trainer:
@@ -86,6 +87,7 @@ class Trainer:
             cfg.seed,
         )
         self.module, self.pipeline = self._runtime(sync=state is None)  # a moved state's replicas are equal
+        self._pending: tuple | None = None  # a step left pending by `train_step`: (its `applied`,)
 
     # ---- the state, read through --------------------------------------------------------------
 
@@ -208,9 +210,11 @@ class Trainer:
     def train_step(self, commit=None, applied=None) -> StepResult:
         """One optimizer step. `commit(step)`, when given, is asked once the step's gradients and
         loss are known and before anything of the state changes: False aborts the step
-        (`StepAborted`), leaving the state as it was (an elastic run's workers vote so).
-        `applied()`, when given, runs once the optimizer has stepped, within the step's time (an
-        elastic run's copies of other workers' pieces step then)."""
+        (`StepAborted`), leaving the state as it was (an elastic run's workers vote so); None leaves
+        the step pending, its gradients kept and nothing of the state changed, until
+        `apply_pending` or `drop_pending` (an elastic worker that could not learn the vote's
+        outcome). `applied()`, when given, runs once the optimizer has stepped, within the step's
+        time (an elastic run's copies of other workers' pieces step then)."""
         self.state.check_usable()
         cfg, layout, progress = self.cfg, self.cfg.layout, self.progress
         start = time.perf_counter()
@@ -228,22 +232,34 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise Diverged(progress.step + 1, f"loss {loss}, gradient norm {grad_norm}")
-        if commit is not None and not commit(progress.step + 1):
+        decision = True if commit is None else commit(progress.step + 1)
+        if decision is False:
             self.optimizer.zero_grad(set_to_none=True)
             raise StepAborted(progress.step + 1)
+        if decision is None:
+            self._pending = (applied,)
+        else:
+            self._apply(applied)
+        elapsed = time.perf_counter() - start
+        return StepResult(step=progress.step + (decision is None), loss=loss, grad_norm=grad_norm, lr=lr,
+                          step_time_s=elapsed, tokens_per_s=cfg.tokens_per_step / elapsed,
+                          applied=decision is not None)
+
+    def apply_pending(self) -> None:
+        """Apply the step `train_step` left pending, from the gradients it kept."""
+        assert self._pending is not None, "no step is pending"
+        self._apply(self._pending[0])
+
+    def drop_pending(self) -> None:
+        """Abandon the step `train_step` left pending: the state stays as before it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = None
+
+    def _apply(self, applied) -> None:
         self.optimizer.step()
         if applied is not None:
             applied()
         self.optimizer.zero_grad(set_to_none=True)
-
-        progress.step += 1
-        progress.position += cfg.global_batch
-        elapsed = time.perf_counter() - start
-        return StepResult(
-            step=progress.step,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            step_time_s=elapsed,
-            tokens_per_s=cfg.tokens_per_step / elapsed,
-        )
+        self._pending = None
+        self.progress.step += 1
+        self.progress.position += self.cfg.global_batch

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from shardshift.cli.bench import crash_ring
+from shardshift.train.catalog import checkpoints, step_of
 from support.cli import run_shardshift
 from support.training import metrics, step_losses
 
@@ -83,5 +86,64 @@ def test_kill_after_kill_inside_a_step_of_a_three_worker_ring_never_waits_for_th
     crashes = [e for e in events if e["kind"] == "crash"]
     assert len(crashes) == kills and len(events) == 2 * kills, [(e["kind"], e["step"]) for e in events]
     assert all(e["steps_lost"] == 0 and e["pause_seconds"] < STRUCTURAL_S for e in crashes), crashes
+    _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), want)
+    assert not _alive(str(tmp_path))
+
+
+def test_a_killed_coordinator_loses_nothing_the_workers_save_and_say_how_to_resume(tmp_path, budget):
+    """The coordinator of a dp=2 job is SIGKILLed during training: its store goes with it. The
+    workers find it gone (in their vote, at the boundary or from their watch), end the step alike
+    (applied on both or on neither), save, say to resume with --resume auto, and exit; nothing is
+    left. Resumed so, the job's losses are the fixed run's."""
+    common = ["train", "--model", "test", "--dtype", "float64", "--global-batch", "6", "--seed", "4", "--steps", "400",
+              "--log-every", "1"]
+    save = tmp_path / "ckpt"
+    job = subprocess.Popen([sys.executable, "-m", "shardshift", *common, "--elastic", "--nproc", "2", "--save",
+                            str(save), "--metrics", str(tmp_path / "elastic.jsonl"), "--timeout", "60",
+                            "--log-dir", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("step     3"):
+                break
+        job.kill()  # the coordinator; its workers live on, holding its stdout and stderr
+        out, err = job.communicate(timeout=budget.left())
+    finally:
+        job.kill()
+    deadline = time.monotonic() + 60
+    while _alive(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(str(tmp_path))
+    assert "the job's coordinator at 127.0.0.1:" in err and "resume with the same command and --resume auto" in err, \
+        err[-3000:]
+    [saved] = checkpoints(save)
+    stopped_at = step_of(saved)
+    assert stopped_at >= 3 and f"stopped after step {stopped_at};" in err, err[-3000:]
+
+    resumed = run_shardshift([*common, "--nproc", "2", "--layout", "dp=2", "--stop-at", str(stopped_at + 2),
+                              "--save", str(save), "--resume", "auto", "--metrics", str(tmp_path / "resumed.jsonl")],
+                             timeout=budget.left())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    fixed = run_shardshift([*common, "--nproc", "1", "--stop-at", str(stopped_at + 2), "--metrics",
+                            str(tmp_path / "fixed.jsonl")], timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    got = {**step_losses(tmp_path / "elastic.jsonl"), **step_losses(tmp_path / "resumed.jsonl")}
+    want = step_losses(tmp_path / "fixed.jsonl")
+    assert min(step_losses(tmp_path / "resumed.jsonl")) == stopped_at + 1  # it went on from the saved step
+    _assert_same_losses({s: got[s] for s in want}, want)
+
+
+def test_two_workers_killed_at_once_are_survived_from_the_copies_of_redundancy_2(tmp_path, budget):
+    """fsdp=4 with --redundancy 2 (every piece kept by three workers): ranks 1 and 2 are SIGKILLed
+    inside the same step; the two survivors take every piece from a surviving copy, lose no step,
+    and compute the fixed run's losses."""
+    want = _fixed_losses(tmp_path, 6, budget.left())
+    run = _run(tmp_path, 6, "--elastic", "--nproc", "4", "--redundancy", "2", "--layout-for", "4:fsdp=4",
+               "--layout-for", "2:fsdp=2", "--inject", "3:kill=1,2", "--timeout", TIMEOUT,
+               "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["kind"], e["from_world"], e["to_world"], e["recovered_from"], e["steps_lost"]) for e in events] == [
+        ("crash", 4, 2, "redundancy", 0)]
     _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), want)
     assert not _alive(str(tmp_path))
