@@ -35,6 +35,7 @@ POLL_S = 0.01
 def join(worker: ElasticWorker, registered=lambda member: None) -> bool:
     """Say `worker` is ready, wait to be admitted, then move into that world; False if the job
     stopped or ended first. `registered(id)` is called once the worker has its id."""
+    check_identity(worker)
     warm_up(worker.cfg, None, worker.device_type)  # before it says it is ready: not in anyone's pause
     index = worker.store.register_joiner()
     worker.member = worker.store.joiner_id(index)
@@ -51,6 +52,22 @@ def join(worker: ElasticWorker, registered=lambda member: None) -> bool:
     assert change.epoch == epoch, (change.epoch, epoch)
     move(worker, change, time.monotonic(), detect_s=waited)
     return True
+
+
+def check_identity(worker: ElasticWorker, poll_s: float = 0.05) -> None:
+    """Refuse to join a job whose versions, model or data differ from this worker's (ValueError
+    naming the first difference), once the job has said what they are."""
+    store = worker.store
+    while (job := store.identity()) is None:  # the first world has not started yet
+        if store.stop_requested() or store.done():
+            return
+        time.sleep(poll_s)
+    mine = worker.identity()
+    for key, what in (("shardshift", "shardshift version"), ("torch", "torch version"), ("model", "model"),
+                      ("model_config", "model configuration"), ("data", "data (digest of --data)")):
+        if mine[key] != job[key]:
+            raise ValueError(f"this worker's {what} is {mine[key]}, the job's is {job[key]}: it cannot join; install "
+                             "the job's versions, or give this host the job's data at the same path")
 
 
 def foresee_admission(worker: ElasticWorker, index: int, foreseen: list[int]) -> None:

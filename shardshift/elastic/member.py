@@ -26,7 +26,7 @@ from shardshift.models.space import state_space
 from shardshift.runtime import process_from_env
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import load_tokens
+from shardshift.train.data import digest, load_tokens
 from shardshift.train.loop import Hook, Loop
 from shardshift.train.parallelize import forget_old_meshes
 from shardshift.train.report import Metrics, Signals, Summary
@@ -100,11 +100,23 @@ class ElasticWorker:
         warm_up(cfg, trainer.par)  # a change's first model build, done now and not in its pause
         self.store.register_process(self.member)  # the coordinator names a crashed worker by it
         if proc.rank == 0:
+            self.store.publish_identity(self.identity())
             self.store.publish_epoch(self.epoch)
             self.store.set_current(0)
             say(f"training {cfg.model.name} ({cfg.model.num_params():,} parameters) elastically under {cfg.layout} "
                 f"on {proc.world_size} {self.device_type} workers ({self.ecfg.min_nproc}..{self.ecfg.max_nproc}), "
                 f"{cfg.dtype}")
+
+    def identity(self) -> dict:
+        """What a worker must share with the job to join it: the versions of shardshift and torch,
+        the model and the data (its digest: the same --data path may hold other bytes on another
+        host)."""
+        import torch
+
+        import shardshift
+
+        return {"shardshift": shardshift.__version__, "torch": torch.__version__, "model": self.cfg.model.name,
+                "model_config": self.cfg.model.config_dict(), "data": digest(self.tokens)}
 
     def enter_world(self, epoch: Epoch, trainer: Trainer | None) -> None:
         """Be in `epoch`'s world with `trainer` (None: this worker is not in it). Every worker of a

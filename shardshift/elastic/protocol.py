@@ -8,9 +8,10 @@ commit vote, and from its lookout and heartbeat threads.
 | key | value | written by | read by |
 |---|---|---|---|
 | ``config/argv``, ``config/nproc`` | the training command (JSON), the first world's size | coordinator | joiners (`shardshift join`), workers (joiners' ids) |
+| ``config/identity`` | what a joiner must share with the job: versions, model, data digest (JSON) | the first world's rank 0 | joiners |
 | ``spawn/started`` | joiners the coordinator started for scripted joins | coordinator | rank 0 (a scripted join waits for them) |
 | ``epoch/{e}``, ``epoch/current`` | each world's `Epoch`; the one training now | the new world's rank 0 | everyone |
-| ``pid/{pid}`` | the worker id of a process | the worker | coordinator (names a crashed worker) |
+| ``pid/{host}/{pid}`` | the worker id of a process of a host | the worker | coordinator (names a crashed worker) |
 | ``heartbeat/{member}`` | wall-clock time of the worker's last beat | the worker's heartbeat thread | coordinator |
 | ``join/ready``, ``join/ready/{i}`` | joiners ready (a counter); the i-th one's process | joiners | rank 0, lookouts |
 | ``join/admitted/{i}`` | the epoch that admitted joiner i | the new world's rank 0 | joiner i |
@@ -32,6 +33,7 @@ import dataclasses
 import datetime
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable
 
@@ -127,6 +129,14 @@ class JobStore:
     def first_world_size(self) -> int:
         return int(self.store.get("config/nproc"))
 
+    def publish_identity(self, identity: dict) -> None:
+        """What every worker of the job must share (`member.job_identity`)."""
+        self.store.set("config/identity", json.dumps(identity, sort_keys=True))
+
+    def identity(self) -> dict | None:
+        """The job's identity, once its first world has published it."""
+        return json.loads(self.store.get("config/identity")) if self._has("config/identity") else None
+
     def joiner_id(self, index: int) -> int:
         """The worker id of the joiner at place `index` of the queue."""
         return self.first_world_size() + index
@@ -181,11 +191,13 @@ class JobStore:
     # ---- workers -------------------------------------------------------------------------------
 
     def register_process(self, member: int, pid: int | None = None) -> None:
-        """Process `pid` (this one by default) is worker `member`."""
-        self.store.set(f"pid/{os.getpid() if pid is None else pid}", str(member))
+        """Process `pid` (this one by default) of this host is worker `member` (a process id alone
+        is not: two hosts can have processes of the same id)."""
+        self.store.set(f"pid/{socket.gethostname()}/{os.getpid() if pid is None else pid}", str(member))
 
     def member_of(self, pid: int) -> int | None:
-        key = f"pid/{pid}"
+        """The worker id of process `pid` of this host, if it registered."""
+        key = f"pid/{socket.gethostname()}/{pid}"
         return int(self.store.get(key)) if self._has(key) else None
 
     def beat(self, member: int) -> None:

@@ -153,6 +153,11 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: 
         why = "the job stopped or ended"
     except dist.DistError:
         admitted, why = False, f"the job's coordinator at {address} went away"
+    except ValueError as err:  # it differs from the job (`admission.check_identity`)
+        worker.ahead.close()
+        worker.watch.close()
+        say(f"shardshift: error: {err}", "stderr")
+        return 2
     if not admitted:
         worker.ahead.close()
         worker.watch.close()
