@@ -18,11 +18,13 @@ over.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardshift.console import say
 from shardshift.elastic.change import Request, plan_change
 from shardshift.elastic.config import Inject
+from shardshift.elastic.member import SAVE_MARKER
 from shardshift.elastic.moving import move
 from shardshift.train.switch import warm_up
 
@@ -55,13 +57,21 @@ def join(worker: ElasticWorker, registered=lambda member: None) -> bool:
 
 
 def check_identity(worker: ElasticWorker, poll_s: float = 0.05) -> None:
-    """Refuse to join a job whose versions, model or data differ from this worker's (ValueError
-    naming the first difference), once the job has said what they are."""
+    """Refuse to join a job whose versions, model or data differ from this worker's, or whose
+    --save is not this host's (ValueError naming the first difference), once the job has said what
+    they are."""
     store = worker.store
     while (job := store.identity()) is None:  # the first world has not started yet
         if store.stop_requested() or store.done():
             return
         time.sleep(poll_s)
+    marker = job.pop("save_marker", None)
+    if marker is not None:
+        path = Path(worker.cfg.save) / SAVE_MARKER
+        if not path.is_file() or path.read_text() != marker:
+            raise ValueError(f"--save {worker.cfg.save} on this host is not the directory the job saves into (it "
+                             f"lacks the job's {SAVE_MARKER}): every worker must save into one directory; give "
+                             "--save a directory on a filesystem every host shares")
     mine = worker.identity()
     for key, what in (("shardshift", "shardshift version"), ("torch", "torch version"), ("model", "model"),
                       ("model_config", "model configuration"), ("data", "data (digest of --data)")):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -34,6 +36,8 @@ from shardshift.train.run import resume_point
 from shardshift.train.state import TrainingState
 from shardshift.train.switch import warm_up
 from shardshift.train.trainer import Trainer
+
+SAVE_MARKER = ".shardshift-job"  # in --save: the running job's token (`ElasticWorker._mark_save_dir`)
 
 
 class ElasticWorker:
@@ -100,7 +104,7 @@ class ElasticWorker:
         warm_up(cfg, trainer.par)  # a change's first model build, done now and not in its pause
         self.store.register_process(self.member)  # the coordinator names a crashed worker by it
         if proc.rank == 0:
-            self.store.publish_identity(self.identity())
+            self.store.publish_identity({**self.identity(), "save_marker": self._mark_save_dir()})
             self.store.publish_epoch(self.epoch)
             self.store.set_current(0)
             say(f"training {cfg.model.name} ({cfg.model.num_params():,} parameters) elastically under {cfg.layout} "
@@ -117,6 +121,17 @@ class ElasticWorker:
 
         return {"shardshift": shardshift.__version__, "torch": torch.__version__, "model": self.cfg.model.name,
                 "model_config": self.cfg.model.config_dict(), "data": digest(self.tokens)}
+
+    def _mark_save_dir(self) -> str | None:
+        """With --save, a token of this job written into the directory (`SAVE_MARKER`): a joiner on
+        another host checks that its --save holds it, that is, that every host saves into the same
+        directory (a checkpoint needs every worker's files in one place)."""
+        if not self.cfg.save:
+            return None
+        token = uuid.uuid4().hex
+        Path(self.cfg.save).mkdir(parents=True, exist_ok=True)
+        (Path(self.cfg.save) / SAVE_MARKER).write_text(token)
+        return token
 
     def enter_world(self, epoch: Epoch, trainer: Trainer | None) -> None:
         """Be in `epoch`'s world with `trainer` (None: this worker is not in it). Every worker of a

@@ -404,16 +404,20 @@ def test_join_without_a_job_there_says_so(budget):
     assert "--coordinator 127.0.0.1:9: no elastic job answers there" in run.stderr
 
 
-def test_a_joiner_whose_data_differs_from_the_jobs_is_refused_naming_the_difference(tmp_path, budget):
+@pytest.mark.parametrize("differs", ["data", "save"])
+def test_a_joiner_whose_data_or_save_directory_differs_from_the_jobs_is_refused_naming_it(tmp_path, budget,
+                                                                                          differs):
     """`shardshift join` reads the job's command line, so it trains the same model on the same
-    --data path; but that path may hold other bytes on its host. The job publishes what a worker
-    must share (versions, model, data digest): a joiner whose data differ is refused, exit 2,
-    naming the difference, and the job goes on untouched."""
-    data = tmp_path / "text.txt"
+    --data path and saves into the same --save path; but on its host those paths may hold other
+    bytes, or be another directory. The job publishes what a worker must share (versions, model,
+    data digest, a token in --save): a joiner that differs is refused, exit 2, naming the
+    difference, and the job goes on untouched."""
+    data, save = tmp_path / "text.txt", tmp_path / "ckpt"
     data.write_text("to be or not to be, that is the question\n" * 200)
     job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", "--model", "test", "--global-batch", "6",
-                            "--steps", "100000", "--log-every", "1", "--data", str(data), "--elastic", "--nproc", "2",
-                            "--max-nproc", "3", "--timeout", "30", "--log-dir", str(tmp_path / "logs")],
+                            "--steps", "100000", "--log-every", "1", "--data", str(data), "--save", str(save),
+                            "--elastic", "--nproc", "2", "--max-nproc", "3", "--timeout", "30",
+                            "--log-dir", str(tmp_path / "logs")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         address = None
@@ -423,11 +427,16 @@ def test_a_joiner_whose_data_differs_from_the_jobs_is_refused_naming_the_differe
             if line.startswith("step     2"):
                 break
         assert address is not None
-        data.write_text("all the world's a stage, and all the men and women merely players\n" * 200)
+        if differs == "data":  # as another host's file at the same path
+            data.write_text("all the world's a stage, and all the men and women merely players\n" * 200)
+            named = "this worker's data (digest of --data) is "
+        else:  # as another host's directory at the same path
+            (save / ".shardshift-job").unlink()
+            named = f"--save {save} on this host is not the directory the job saves into"
         joiner = run_shardshift(["join", "--coordinator", address, "--timeout", "30"], timeout=budget.left())
         assert joiner.returncode == 2, joiner.stderr[-3000:]
-        assert "shardshift: error: this worker's data (digest of --data) is " in joiner.stderr, joiner.stderr[-3000:]
-        assert "it cannot join" in joiner.stderr and joiner.stderr.count("\n") == 1, joiner.stderr[-3000:]
+        assert joiner.stderr.startswith(f"shardshift: error: {named}"), joiner.stderr[-3000:]
+        assert joiner.stderr.count("\n") == 1, joiner.stderr[-3000:]
         assert job.poll() is None  # the job trains on
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=budget.left())
