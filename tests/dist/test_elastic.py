@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardshift.train.catalog import checkpoints, step_of
-from support.cli import run_shardshift
+from support.cli import coordinator_address, run_shardshift
 from support.training import metrics, step_losses
 
 STEPS = 8
@@ -420,12 +420,7 @@ def test_a_joiner_whose_data_or_save_directory_differs_from_the_jobs_is_refused_
                             "--log-dir", str(tmp_path / "logs")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        address = None
-        for line in job.stdout:
-            if (found := re.search(r"coordinator at (\S+?:\d+):", line)) is not None:
-                address = found.group(1)
-            if line.startswith("step     2"):
-                break
+        address = coordinator_address(job.stdout, until="step     2")
         assert address is not None
         if differs == "data":  # as another host's file at the same path
             data.write_text("all the world's a stage, and all the men and women merely players\n" * 200)

@@ -9,13 +9,13 @@ crosses the emulated network. The losses equal a fixed run's; no process is left
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
 import torch
 
 from shardshift.netemu.shaping import uniform_rates
+from support.cli import coordinator_address
 from support.training import metrics, step_losses
 
 STEPS = 30
@@ -34,12 +34,7 @@ def test_a_joiner_on_another_host_joins_through_the_coordinator_address(emulated
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     joiner = None
     try:
-        address = None
-        for line in job.stdout:
-            if (found := re.search(r"coordinator at (\S+?:\d+):", line)) is not None:
-                address = found.group(1)
-            if line.startswith("step     2"):
-                break
+        address = coordinator_address(job.stdout, until="step     2")
         assert address is not None and address.startswith(net.address(0)), address
         joiner = net.spawn(1, [sys.executable, "-m", "shardshift", "join", "--coordinator", address, "--timeout",
                                "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

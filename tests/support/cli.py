@@ -13,11 +13,12 @@ instead: they are about the process a user starts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from support.dist import context
 
@@ -54,3 +55,15 @@ def run_shardshift(argv: Sequence[str], *, timeout: float, env: Mapping[str, str
         with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
             return subprocess.CompletedProcess([sys.executable, "-m", "shardshift", *argv], proc.exitcode,
                                                f_out.read(), f_err.read())
+
+
+def coordinator_address(lines: Iterable[str], until: str) -> str | None:
+    """The HOST:PORT an elastic job's coordinator printed, read from its output `lines` up to the
+    first line that starts with `until` (e.g. ``"step     2"``); None if it printed none."""
+    address = None
+    for line in lines:
+        if (found := re.search(r"coordinator at (\S+?:\d+):", line)) is not None:
+            address = found.group(1)
+        if line.startswith(until):
+            break
+    return address
