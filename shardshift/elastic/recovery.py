@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -176,8 +177,7 @@ class CrashRecovery(Hook):
         worker.cfg = new_cfg
         trainer = Trainer(new_cfg, rank, worker.device_type, tokens=worker.tokens, timeout_s=worker.timeout_s)
         checkpoint.load(trainer, newest[0])
-        worker.enter_world(Epoch(next_epoch.number, next_epoch.members, layout, trainer.progress.step, "crash",
-                                 epoch.admitted, observed=next_epoch.observed), trainer)
+        worker.enter_world(dataclasses.replace(next_epoch, step=trainer.progress.step), trainer)
         pause = worst(dist.group.WORLD, [time.monotonic() - noticed, detect])
         worker.opened({"kind": "crash", "from_world": epoch.world_size, "to_world": len(survivors),
                        "from": str(epoch.layout), "to": str(layout), "detect_seconds": pause[1],
