@@ -159,7 +159,7 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
     """What the workers would refuse, refused before they start (they check again: under torchrun
     nothing runs before them)."""
     from shardshift.train.catalog import RunIdentity, check_save_dir, choose
-    from shardshift.train.data import BatchStream, digest, load_tokens
+    from shardshift.train.data import BatchStream, check_vocabulary, digest, load_tokens
 
     for flag, value in (("--save", cfg.save), ("--log-dir", log_dir)):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
@@ -173,6 +173,7 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
         if metrics.is_dir() or not metrics.parent.is_dir():
             raise ValueError(f"--metrics {cfg.metrics}: " + ("is a directory; give a file in it" if metrics.is_dir()
                              else f"no directory {metrics.parent}; create it or give another path"))
+    check_vocabulary(cfg.model.name, cfg.model.vocab_size)
     tokens = load_tokens(cfg.data)
     try:
         BatchStream(tokens, cfg.model.seq_len, cfg.global_batch, cfg.seed)

@@ -1,6 +1,6 @@
 """Models, behind one interface: `ModelSpec` (`spec`: how to build a model, its tensor-parallel plan,
 its pipeline split, its initialisation and loss), the state space derived from it (`space`), and
-the built-in models (`gpt`). `model_spec` resolves a name as the command line gives it.
+the built-in models (`gpt`, `llama`). `model_spec` resolves a name as the command line gives it.
 
 Importing this package imports no torch: a launcher checks a run against its model first.
 """
@@ -18,17 +18,23 @@ __getattr__, __dir__ = lazy_exports(__name__, _NAMES)
 
 
 def model_names() -> tuple[str, ...]:
-    """The built-in models, as --model names them."""
-    from shardshift.models.gpt.config import PRESETS
+    """The built-in models, as --model names them: the GPT's sizes, then the Llama family's."""
+    return tuple(_presets())
 
-    return tuple(PRESETS)
+
+def _presets() -> dict:
+    """Every built-in model's name -> a function of it that gives its spec."""
+    from shardshift.models.gpt.config import PRESETS as GPT
+    from shardshift.models.gpt.spec import GPTSpec
+    from shardshift.models.llama.config import PRESETS as LLAMA
+    from shardshift.models.llama.spec import LlamaSpec
+
+    return {**dict.fromkeys(GPT, GPTSpec.preset), **dict.fromkeys(LLAMA, LlamaSpec.preset)}
 
 
 def model_spec(name: str):
     """The built-in model `name` (a `ModelSpec`); ValueError naming --model if there is none."""
-    from shardshift.models.gpt.config import PRESETS
-    from shardshift.models.gpt.spec import GPTSpec
-
-    if name not in PRESETS:
-        raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(model_names())}")
-    return GPTSpec.preset(name)
+    presets = _presets()
+    if name not in presets:
+        raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(presets)}")
+    return presets[name](name)

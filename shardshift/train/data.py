@@ -30,12 +30,20 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_CORPUS = "shakespeare.txt.gz"
+BYTE_VALUES = 256  # token ids are bytes: a model needs a vocabulary of at least this many
 TEXT = "a text file"  # what --data must be, for messages
 
 
 def encode(text: str) -> np.ndarray:
     """Bytes of the UTF-8 encoding, as token ids 0..255."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def check_vocabulary(model: str, vocab_size: int) -> None:
+    """Refuse to train `model` on bytes when its vocabulary does not hold every byte value."""
+    if vocab_size < BYTE_VALUES:
+        raise ValueError(f"--model {model} has a vocabulary of {vocab_size} tokens, but the data are read as bytes "
+                         f"(token ids 0..{BYTE_VALUES - 1}); choose a model with vocab_size >= {BYTE_VALUES}")
 
 
 def decode(tokens) -> str:

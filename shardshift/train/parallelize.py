@@ -152,7 +152,8 @@ def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> 
     """This rank's part of the model, parallelized, with every parameter still on the meta device.
 
     Its parameters are allocated later: all at once (``to_empty``), or leaf module by leaf module
-    while a switch fills them (`materialize`).
+    while a switch fills them (`materialize`). Its buffers, which no checkpoint or switch moves,
+    are allocated on the device and filled here (`ModelSpec.init_buffers`).
     """
     with torch.device("meta"):
         model = spec.build()
@@ -182,15 +183,23 @@ def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> 
         for layer in layers.values():
             fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty_like(buffer, device=par.device))
+    spec.init_buffers(model)
     return model
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate (uninitialised) the parameters `module` itself owns, leaving its children alone.
+    """Allocate (uninitialised) the parameters `module` itself owns, leaving its children and its
+    buffers (filled by `build_stage_skeleton`) alone.
 
     FSDP2 accepts this one module at a time: its lazy initialisation picks up the new storage.
     """
+    buffers = dict(module.named_buffers(recurse=False))
     module.to_empty(device=device, recurse=False)
+    for name, buffer in buffers.items():
+        setattr(module, name, buffer)
 
 
 @torch.no_grad()

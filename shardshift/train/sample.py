@@ -3,8 +3,8 @@
 The newest intact checkpoint in DIR (or DIR itself, if it is one) is read into one process,
 whatever layout wrote it: its manifest names the model and its configuration (`models.ModelSpec`),
 and DCP reshards every parameter into a whole tensor on load (optimizer state is not read). The
-model reads and writes bytes (a vocabulary of 256), so a prompt is its UTF-8 bytes and the text is
-decoded with invalid bytes replaced.
+model reads and writes bytes (the first 256 ids of its vocabulary), so a prompt is its UTF-8 bytes and the
+text is decoded with invalid bytes replaced.
 
 Sampling draws each next byte from the softmax of the last position's logits divided by the
 temperature, with a generator seeded by `seed` (temperature 0: always the most likely byte). The
@@ -26,6 +26,7 @@ from shardshift.models import model_spec
 from shardshift.models.spec import ModelSpec
 from shardshift.train.catalog import Manifest, choose
 from shardshift.train.config import torch_dtype
+from shardshift.train.data import BYTE_VALUES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ def load_model(where: str) -> tuple[nn.Module, ModelSpec, Path, Manifest]:
                          f"({err}); sample it from Python with its ModelSpec") from None
     dtype = torch_dtype("float32" if manifest.run.dtype == "bfloat16" else manifest.run.dtype)
     model = spec.build().to(dtype)
+    spec.init_buffers(model)  # in the model's dtype, as training filled them
     state = {f"param:{name}": param.detach() for name, param in model.named_parameters()}
     with warnings.catch_warnings():  # DCP says it is loading in one process, as it is meant to here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -64,7 +66,7 @@ def generate(model: nn.Module, seq_len: int, prompt: bytes, tokens: int, tempera
     out = []
     with torch.no_grad():
         for _ in range(tokens):
-            logits = model(ids[:, -seq_len:])[0, -1].double()
+            logits = model(ids[:, -seq_len:])[0, -1, :BYTE_VALUES].double()  # bytes only, of a larger vocabulary
             if temperature == 0:
                 nxt = int(torch.argmax(logits))
             else:

@@ -22,7 +22,7 @@ from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import BatchStream, data_slice, load_tokens, loss_weight
+from shardshift.train.data import BatchStream, check_vocabulary, data_slice, load_tokens, loss_weight
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import Parallel, build_parallel, tree_options, wrap_for_training
 from shardshift.train.state import Progress, TrainingState
@@ -74,6 +74,7 @@ class Trainer:
                  timeout_s: float = DEFAULT_TIMEOUT_S, state: TrainingState | None = None):
         """`ranks`: the process at each coordinate of the layout (default: process i at the i-th).
         `state`: go on from this state (one a change of world built) instead of the initial one."""
+        check_vocabulary(cfg.model.name, cfg.model.vocab_size)
         self.cfg = cfg
         self.rank = rank
         self.group = dist.group.WORLD if group is None else group

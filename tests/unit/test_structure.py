@@ -26,7 +26,8 @@ SIDEWAYS = {("bench", "netemu"), ("netemu", "collectives")}
 PURE = ["collectives/planning", "collectives/topology/model.py", "collectives/topology/io.py",
         "collectives/topology/spec.py", "collectives/topology/presets.py", "collectives/execution/program.py",
         "reshard/space.py", "reshard/plan.py", "reshard/schedule.py", "reshard/training.py", "layout.py", "units.py",
-        "train/catalog.py", "models/spec.py", "models/gpt/spec.py", "models/gpt/config.py", "elastic/config.py", "simulate/specs.py", "simulate/space.py",
+        "train/catalog.py", "models/spec.py", "models/gpt/spec.py", "models/gpt/config.py", "models/llama/spec.py",
+        "models/llama/config.py", "elastic/config.py", "simulate/specs.py", "simulate/space.py",
         "simulate/cluster.py", "simulate/switch.py"]
 
 

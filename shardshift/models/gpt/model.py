@@ -16,13 +16,13 @@ that holds ``n_head / tp`` heads' worth of columns computes exactly those heads.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardshift.models.gpt.config import GPTConfig
+from shardshift.models.init import seeded_normal
 
 
 class Attention(nn.Module):
@@ -103,16 +103,5 @@ def init_value(cfg: GPTConfig, fqn: str, shape: torch.Size, dtype: torch.dtype, 
     std = 0.02
     if fqn.endswith(("attn.out.weight", "mlp.proj.weight")):
         std = 0.02 / math.sqrt(2 * cfg.n_layer)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-    # Draw in float64 and cast, so every dtype starts from the same rounded values.
-    return torch.randn(shape, generator=generator, dtype=torch.float64).mul_(std).to(dtype)
+    return seeded_normal(fqn, shape, dtype, seed, std)
 
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy: logits (b, t, vocab), targets (b, t).
-
-    bfloat16 logits are upcast to float32 for the softmax; other dtypes are kept exact.
-    """
-    if logits.dtype == torch.bfloat16:
-        logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -97,6 +97,6 @@ class GPTSpec(ModelSpec):
         return init_value(self.config, fqn, shape, dtype, seed)
 
     def loss(self, logits, targets):
-        from shardshift.models.gpt.model import loss_fn
+        from shardshift.models.loss import next_token_loss
 
-        return loss_fn(logits, targets)
+        return next_token_loss(logits, targets)
