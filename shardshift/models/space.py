@@ -8,7 +8,8 @@ each parameter's `reshard.training.ParamRule` then follows from the spec alone:
   ``ColwiseParallel`` and ``RowwiseParallel`` apply it (`TP_DIMS`): a column-parallel linear
   holds ``1/tp`` of its weight's rows and of its bias, a row-parallel one ``1/tp`` of its weight's
   columns and its bias whole; an embedding's weight is split along its embedding dim (colwise) or
-  its vocabulary (rowwise).
+  its vocabulary (rowwise). A ``replicated_with_grad_allreduce`` module, of any type, keeps its
+  parameters whole (only their gradients are summed over tp).
 
 `train.parallelize` applies the same plan with the same styles, and the tests check the two against
 DTensor's own placement of every parameter.
@@ -23,6 +24,8 @@ from torch import nn
 
 from shardshift.models.spec import ModelSpec, plan_matcher
 from shardshift.reshard.training import ParamRule, TrainingSpace
+
+REPLICATED = "replicated_with_grad_allreduce"  # whole on every rank, whatever the module
 
 # (module type, style, parameter leaf) -> the tensor dim that tensor parallelism splits (None: whole).
 TP_DIMS = {
@@ -47,7 +50,7 @@ def state_space(spec: ModelSpec, param_dtype: torch.dtype) -> TrainingSpace:
         module_name, _, leaf = fqn.rpartition(".")
         style = style_of(module_name)
         splits = ()
-        if style is not None:
+        if style is not None and style != REPLICATED:
             module = modules[module_name]
             kind = next((k for k in (nn.Linear, nn.Embedding) if isinstance(module, k)), None)
             if kind is None or (kind, style, leaf) not in TP_DIMS:

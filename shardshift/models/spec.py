@@ -9,8 +9,10 @@ its configuration); it says
   ``(batch, seq)`` and returns logits ``(batch, seq, vocab)``;
 - its tensor-parallel plan (`tp_plan`), in Hugging Face's ``base_model_tp_plan`` vocabulary: module
   names, ``*`` standing for one name part (a layer's index), mapped to ``"colwise"`` (a linear's
-  output features split: its weight's rows and its bias) or ``"rowwise"`` (its input features: its
-  weight's columns; its bias whole);
+  output features split: its weight's rows and its bias), ``"rowwise"`` (its input features: its
+  weight's columns; its bias whole) or ``"replicated_with_grad_allreduce"`` (a module whose input
+  is split over tp, such as a norm over each head of the heads a rank holds: its parameters whole
+  on every rank, their gradients summed over tp);
 - its pipeline split (`pipeline`): the container of its repeated layers, keyed by their global
   index so that a stage keeping layers 3..5 still names them ``layers.3`` .. ``layers.5``, and the
   modules only the first or the last stage keeps. On other stages those modules are set to None,
@@ -18,7 +20,9 @@ its configuration); it says
   ``(batch, seq, hidden)``);
 - a deterministic initial value per parameter name and seed (`init_value`), so that every layout
   starts from the same weights, and how to rebuild buffers that are not saved (`init_buffers`);
-- its loss, the layouts it refuses (`check_layout`), and the sizes the layout policy prices.
+- its loss, the layouts it refuses (`check_layout`), and the sizes the layout policy prices;
+- its Hugging Face form, if it has one (`hf_config`: the ``config.json`` under which its parameter
+  names and shapes are a Hugging Face model's), which ``shardshift export`` writes.
 
 From the spec and its plan the engine derives the model's state space (`models.space.state_space`):
 no model writes its boxes by hand. Parallelism is applied from outside (`train.parallelize`): model
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-TP_STYLES = ("colwise", "rowwise")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,12 @@ class ModelSpec(abc.ABC):
     @abc.abstractmethod
     def check_layout(self, layout: Layout) -> None:
         """Raise ValueError for a layout the model cannot take, naming the constraint and the fix."""
+
+    def hf_config(self) -> dict[str, Any] | None:
+        """The fields of the Hugging Face ``config.json`` of this model, whose parameters then carry
+        that architecture's names and shapes (``shardshift export``); None (the default): the model
+        has no Hugging Face form."""
+        return None
 
     # ---- torch ---------------------------------------------------------------------------------
 

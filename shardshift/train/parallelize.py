@@ -10,7 +10,9 @@ rank beyond one parameter at a time during initialisation.
   modules of the first or the last stage to None on the others; the trainer runs the stages as a
   1F1B pipeline (`trainer.py`).
 - ``tp``: ``parallelize_module`` with the model's plan (`ModelSpec.tp_plan`), its styles
-  ``colwise`` and ``rowwise`` as PyTorch's ``ColwiseParallel`` and ``RowwiseParallel``.
+  ``colwise`` and ``rowwise`` as PyTorch's ``ColwiseParallel`` and ``RowwiseParallel``, and
+  ``replicated_with_grad_allreduce`` as its ``SequenceParallel`` over the input's first dim
+  (`replicated_with_grad_allreduce`; the trainer sums their gradients: `sum_partial_gradients`).
 - ``fsdp`` and ``dp``: ``fully_shard`` on every layer, then on the stage root. With ``dp == 1`` the
   mesh is 1-D (``fsdp``: plain FSDP); with ``dp > 1`` it is the 2-D ``(dp, fsdp)`` mesh, i.e. HSDP:
   sharded over ``fsdp`` and replicated over ``dp``. Pure replication (``dp > 1`` with ``fsdp`` and
@@ -29,8 +31,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.layout import Coord, Layout
@@ -38,7 +40,34 @@ from shardshift.models.spec import ModelSpec, plan_matcher
 from shardshift.reshard.plan import increasing_on_every_axis
 from shardshift.reshard.training import stage_layers, uses_fsdp
 
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}  # `ModelSpec.tp_plan`'s vocabulary
+
+def replicated_with_grad_allreduce() -> SequenceParallel:
+    """The style of a module that each tp rank runs on its own rows of a split input (Qwen3's norm
+    over each of the heads a rank holds): its parameters whole on every rank, their gradient the
+    sum of every rank's.
+
+    ``SequenceParallel`` makes the parameters Replicate DTensors and reads the input as split on
+    `sequence_dim`: for a module acting on each row alone, any dim but the last serves, and the
+    first is in every input. The output goes back to this rank's own rows (`use_local_output`).
+    The gradient of a Replicate parameter comes out Partial (each rank's rows' share): FSDP2 sums
+    it with the data axes' reduction; `sum_partial_gradients` sums what is left.
+    """
+    return SequenceParallel(sequence_dim=0, use_local_output=True)
+
+
+@torch.no_grad()
+def sum_partial_gradients(model: nn.Module) -> None:
+    """Sum, over their mesh axes, the gradients still Partial after backward (an all-reduce each):
+    those of `replicated_with_grad_allreduce` parameters when FSDP2 does not reduce them."""
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+
+
+# `ModelSpec.tp_plan`'s vocabulary (`models.spec.TP_STYLES`)
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+           "replicated_with_grad_allreduce": replicated_with_grad_allreduce}
 MESH_AXES = ("pp", "dp", "fsdp", "tp")  # the training mesh's dims: `AXES` but ep, which training refuses
 TREE_AXES = ("dp", "fsdp")  # the data axes, whose groups `build_parallel(trees=...)` runs on trees
 
@@ -143,9 +172,44 @@ def forget_old_meshes() -> None:
 def build_stage_model(spec: ModelSpec, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
     """This rank's part of the model, parallelized, with its local shards initialised."""
     model = build_stage_skeleton(spec, par, dtype)
+    shared = shared_parameters(model)
     model.to_empty(device=par.device)
+    tie(model, shared)
     init_local_shards(model, spec, seed)
     return model
+
+
+def shared_parameters(model: nn.Module) -> dict[str, str]:
+    """The parameters `model` reaches under a second name (tied weights: a head whose weight is the
+    embeddings'), by that name -> the name `named_parameters` lists them by.
+
+    Allocating a model's parameters from the meta device (``to_empty``, `materialize`) gives every
+    module a parameter of its own, or (DTensors) gives the one parameter new storage once per
+    module that holds it: `untie` first when allocating module by module, then `tie`.
+    """
+    first: dict[int, str] = {}
+    shared = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared[fqn] = first[id(param)]
+        else:
+            first[id(param)] = fqn
+    return shared
+
+
+def untie(model: nn.Module, shared: dict[str, str]) -> None:
+    """Remove the second names of the parameters `shared` names (`shared_parameters`), until `tie`."""
+    for fqn in shared:
+        parent, _, leaf = fqn.rpartition(".")
+        delattr(model.get_submodule(parent), leaf)
+
+
+def tie(model: nn.Module, shared: dict[str, str]) -> None:
+    """Make each parameter `shared` names (`shared_parameters`, taken before allocating) the one it
+    shares again."""
+    for fqn, source in shared.items():
+        parent, _, leaf = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, model.get_parameter(source))
 
 
 def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> nn.Module:

@@ -51,6 +51,9 @@ from shardshift.train.parallelize import (
     build_stage_skeleton,
     forget_old_meshes,
     materialize,
+    shared_parameters,
+    tie,
+    untie,
 )
 from shardshift.train.state import Progress, TrainingState, local
 
@@ -157,6 +160,8 @@ class _ModelSink:
         index = {t.key: i for i, t in enumerate(space.tensors)}
         for key, tensor in self.scalars.items():
             self.pieces[index[key]] = (tensor, 0)  # 0: kept, never freed
+        shared = shared_parameters(model)  # tied weights: allocated once, under the name the space lists
+        untie(model, shared)
         for module_name, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
@@ -171,6 +176,7 @@ class _ModelSink:
                     self._reserve(index[f"{kind}:{fqn}"], local(state[kind]))
                 self.pieces[index[f"step:{fqn}"]] = (state["step"], 0)
                 self.optim_state[fqn] = state
+        tie(model, shared)
 
     def _reserve(self, index: int, piece: torch.Tensor) -> None:
         storage = piece.untyped_storage()

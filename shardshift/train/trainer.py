@@ -24,7 +24,13 @@ from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import BatchStream, check_vocabulary, data_slice, load_tokens, loss_weight
 from shardshift.train.optim import clip_grad_norm
-from shardshift.train.parallelize import Parallel, build_parallel, tree_options, wrap_for_training
+from shardshift.train.parallelize import (
+    Parallel,
+    build_parallel,
+    sum_partial_gradients,
+    tree_options,
+    wrap_for_training,
+)
 from shardshift.train.state import Progress, TrainingState
 from shardshift.train.switch import PreparedSwitch, SwitchReport, prepare_switch, switch_report, switch_state
 
@@ -227,6 +233,7 @@ class Trainer:
 
         with cfg.autocast(self.par.device.type):
             local_loss = self._forward_backward(inputs, targets)
+        sum_partial_gradients(self.model)
         ranks_per_stage = layout.dp * layout.fsdp * layout.tp
         grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip, ranks_per_stage)
         loss = self._global_loss(local_loss)
