@@ -1,6 +1,8 @@
 """Models, behind one interface: `ModelSpec` (`spec`: how to build a model, its tensor-parallel plan,
-its pipeline split, its initialisation and loss), the state space derived from it (`space`), and
-the built-in models (`gpt`, `llama`). `model_spec` resolves a name as the command line gives it.
+its pipeline split, its initialisation and loss), the state space derived from it (`space`), the
+Hugging Face architectures (`hf`: ``--model hf:DIR``), and the built-in models (`gpt`, `llama`).
+`model_spec` resolves a name as the command line gives it, `recorded_spec` a model as a checkpoint
+records it.
 
 Importing this package imports no torch: a launcher checks a run against its model first.
 """
@@ -13,7 +15,7 @@ _NAMES = {
     "ModelSpec": ".spec", "PipelineSplit": ".spec",
     "state_space": ".space",
 }  # fmt: skip
-__all__ = sorted([*_NAMES, "model_names", "model_spec"])
+__all__ = sorted([*_NAMES, "model_names", "model_spec", "recorded_spec"])
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)
 
 
@@ -33,8 +35,23 @@ def _presets() -> dict:
 
 
 def model_spec(name: str):
-    """The built-in model `name` (a `ModelSpec`); ValueError naming --model if there is none."""
+    """The model `name` (a `ModelSpec`): a built-in one, or ``hf:DIR``, the Hugging Face model whose
+    config.json (and weights, if any) DIR holds; ValueError naming --model if there is none."""
+    if name.startswith("hf:"):  # a Hugging Face model directory
+        from shardshift.models.hf.spec import HFSpec
+
+        return HFSpec.from_name(name)
     presets = _presets()
     if name not in presets:
         raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(presets)}")
     return presets[name](name)
+
+
+def recorded_spec(name: str, config: dict):
+    """The model a checkpoint's manifest records by its --model name and configuration; an
+    ``hf:DIR`` model is built from the recorded config.json, whether DIR is still there or not."""
+    if name.startswith("hf:"):
+        from shardshift.models.hf.spec import HFSpec
+
+        return HFSpec.from_config(name, config)
+    return model_spec(name).with_config(config)

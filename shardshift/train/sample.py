@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from shardshift.models import model_spec
+from shardshift.models import recorded_spec
 from shardshift.models.spec import ModelSpec
 from shardshift.train.catalog import Manifest, choose
 from shardshift.train.config import torch_dtype
@@ -43,7 +43,7 @@ def load_model(where: str) -> tuple[nn.Module, ModelSpec, Path, Manifest]:
     choice = choose(where, run=None)
     manifest = choice.manifest
     try:
-        spec = model_spec(manifest.run.model).with_config(manifest.run.model_config)
+        spec = recorded_spec(manifest.run.model, manifest.run.model_config)
     except (ValueError, TypeError) as err:
         raise ValueError(f"--resume {choice.path}: its model {manifest.run.model!r} cannot be built from its manifest "
                          f"({err}); sample it from Python with its ModelSpec") from None
