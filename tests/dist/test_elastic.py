@@ -34,14 +34,28 @@ def _train(tmp_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def fixed(tmp_path_factory):
-    """The run every elastic run of RUN is compared with: one process, no event (the numerics
-    contract: any world computes what one process computes). Its metrics and final checkpoint."""
-    path = tmp_path_factory.mktemp("fixed")
-    run = run_shardshift(["train", *RUN, "--nproc", "1", "--metrics",
-                          str(path / "fixed.jsonl"), "--save", str(path / "ckpt")], timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return path
+def fixed_runs(tmp_path_factory):
+    """The run every elastic run of RUN is compared with, for a --model (run when first asked for):
+    one process, no event (the numerics contract: any world computes what one process computes).
+    Its metrics and final checkpoint."""
+    paths = {}
+
+    def of(model: str):
+        if model not in paths:
+            path = tmp_path_factory.mktemp(f"fixed-{model}")
+            run = run_shardshift(["train", *RUN, "--model", model, "--nproc", "1", "--metrics",
+                                  str(path / "fixed.jsonl"), "--save", str(path / "ckpt")], timeout=300)
+            assert run.returncode == 0, run.stderr[-3000:]
+            paths[model] = path
+        return paths[model]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def fixed(fixed_runs):
+    """The fixed run of RUN (the `test` GPT)."""
+    return fixed_runs("test")
 
 
 def _job_pids(marker: str) -> list[int]:
@@ -70,15 +84,18 @@ def _final_state(ckpt) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed):
+@pytest.mark.parametrize("model", ["test", "llama-test"])
+def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed_runs, model):
     """4 workers (fsdp=4, --redundancy 1: each worker's pieces also kept by the next); after step 2
     worker 3 gets SIGTERM and leaves (4 -> 3, fsdp=3); inside step 4 rank 1 is SIGKILLed before
     the step is committed (3 -> 2, its pieces from the copies rank 2 kept, step 4 run again); after
     step 6 two workers the coordinator started join (2 -> 4). The global batch of 6 splits
     unevenly among 4 workers. Losses and the final parameters and AdamW state equal the fixed
-    run's (one process: by the numerics contract, what any fixed world computes), and no step is lost. (Recovery from a layout's replicas: the next test.)"""
-    run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1", *SHARDED,
-                 "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
+    run's (one process: by the numerics contract, what any fixed world computes), and no step is lost, for
+    the `test` GPT and `llama-test`. (Recovery from a layout's replicas: the next test.)"""
+    fixed = fixed_runs(model)
+    run = _train(tmp_path, "--model", model, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1",
+                 *SHARDED, "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
                  "--metrics", str(tmp_path / "elastic.jsonl"), "--save", str(tmp_path / "elastic"),
                  "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -26,9 +27,9 @@ from support.training import differences, local_state
 SEED = 3
 
 
-def _config(text: str, dtype: str = "float64", steps: int = 8) -> TrainConfig:
+def _config(text: str, dtype: str = "float64", steps: int = 8, model: str = "test") -> TrainConfig:
     return TrainConfig(
-        layout=Layout.parse(text), model=model_spec("test"), steps=steps,
+        layout=Layout.parse(text), model=model_spec(model), steps=steps,
         seed=SEED, dtype=dtype, global_batch=8,
     )
 
@@ -40,25 +41,28 @@ PAIRS = [("fsdp=2,tp=2", "pp=2,dp=2"), ("pp=4", "tp=4"), ("dp=4", "fsdp=4"), ("d
 PAIRS += random.Random(7).sample([(a, b) for a in _LAYOUTS for b in _LAYOUTS if a != b], 2)
 
 
-# float64 state; bfloat16 training keeps float32 state (autocast), switched the same way.
-CASES = [("float64", before, after) for before, after in PAIRS] + [("bfloat16", *PAIRS[0])]
+# float64 state; bfloat16 training keeps float32 state (autocast), switched the same way. The Llama
+# (whose rotary buffer the new layout's model must rebuild) across stages and strided shards into
+# key-value heads split over tp.
+CASES = [("test", "float64", before, after) for before, after in PAIRS] + [("test", "bfloat16", *PAIRS[0])]
+CASES += [("llama-test", "float64", "fsdp=2,tp=2", "pp=2,dp=2"), ("llama-test", "float64", "pp=4", "tp=4")]
 
 
 def _oracle(rank: int, world_size: int, root: str, cases) -> dict:
     out = {}
-    for dtype, before, after in cases:
-        trainer = Trainer(_config(before, dtype), rank, "cpu")
+    for model, dtype, before, after in cases:
+        trainer = Trainer(_config(before, dtype, model=model), rank, "cpu")
         for _ in range(2):
             trainer.train_step()
-        path = checkpoint.save(trainer, f"{root}/{dtype}-{before}-to-{after}")
+        path = checkpoint.save(trainer, f"{root}/{model}-{dtype}-{before}-to-{after}")
         report = trainer.switch(Layout.parse(after), budget=16 << 10)
         switched = local_state(trainer)
-        reference = Trainer(_config(after, dtype), rank, "cpu", ranks=trainer.par.ranks)
+        reference = Trainer(_config(after, dtype, model=model), rank, "cpu", ranks=trainer.par.ranks)
         checkpoint.load(reference, path)
         loaded = local_state(reference)
         # One more step in each: the switched trainer trains on, exactly as the reloaded one.
         losses = (trainer.train_step().loss, reference.train_step().loss)
-        out[(dtype, before, after)] = {
+        out[(model, dtype, before, after)] = {
             "diff": differences(switched, loaded), "keys": len(switched), "report": report,
             "moments": sum(k.startswith("exp_avg:") for k in switched), "losses": losses,
         }
@@ -83,10 +87,10 @@ def test_switch_is_bit_identical_to_dcp_save_and_load(tmp_path, budget):
     # Whole pieces kept were handed over (no copy) in the real model's DTensor and FSDP2 tensors,
     # and the state above is still DCP's to the bit.
     handed = {pair: per_rank[0][pair]["report"].bytes_handed_over for pair in CASES}
-    assert handed[("float64", "pp=4", "tp=4")] > 0 and handed[("float64", "dp=2,tp=2", "fsdp=2,pp=2")] > 0, handed
+    assert handed[("test", "float64", "pp=4", "tp=4")] > 0 and handed[("test", "float64", "dp=2,tp=2", "fsdp=2,pp=2")] > 0, handed
 
 
-def _holdings_vs_dtensor(rank: int, world_size: int) -> tuple[list, int, int]:
+def _holdings_vs_dtensor(rank: int, world_size: int, model: str) -> tuple[list, int, int]:
     """Compare the pure `holding` with DTensor's own placement math on the real sharded model."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -95,7 +99,7 @@ def _holdings_vs_dtensor(rank: int, world_size: int) -> tuple[list, int, int]:
     from shardshift.reshard.space import holding
     from shardshift.train.parallelize import build_parallel, build_stage_skeleton
 
-    cfg = model_spec("test")
+    cfg = model_spec(model)
     space = state_space(cfg, torch.float32)
     by_key = {t.key: t for t in space.tensors}
     wrong, strided, checked = [], 0, 0
@@ -120,9 +124,11 @@ def _holdings_vs_dtensor(rank: int, world_size: int) -> tuple[list, int, int]:
     return wrong, strided, checked
 
 
-def test_holdings_follow_dtensor_placements(budget):
-    """Every layout of 4 ranks in a non-default rank order, uneven shards (pos_emb has 13 rows)."""
-    for wrong, strided, checked in run_distributed(4, _holdings_vs_dtensor, timeout_s=budget.left()):
+@pytest.mark.parametrize("model", ["test", "llama-test"])
+def test_holdings_follow_dtensor_placements(budget, model):
+    """Every layout of 4 ranks in a non-default rank order, uneven shards (the GPT's pos_emb has 13
+    rows, the Llama's vocabulary 259)."""
+    for wrong, strided, checked in run_distributed(4, _holdings_vs_dtensor, model, timeout_s=budget.left()):
         assert wrong == [], wrong[:5]
         assert strided > 0 and checked > 300  # fsdp-over-tp strided shards were among them
 

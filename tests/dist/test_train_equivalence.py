@@ -3,8 +3,10 @@
 The reference and the parallel runs start from the same seed; parameters are initialised from
 (seed, name) only and the global batch at step k is the same samples in every layout (docs/architecture.md,
 numerics contract), so the only differences are the order of floating-point sums in collectives:
-about 1e-16 relative per operation, far below the 1e-9 we require. The `test` model cuts shards
+about 1e-16 relative per operation, far below the 1e-9 we require. The `test` GPT cuts shards
 unevenly: 13 positions over fsdp=4 (4, 4, 4, 1), 5 layers over pp=4 (2, 1, 1, 1) and pp=2 (3, 2).
+`llama-test` does too (259 vocabulary rows over fsdp=4: 65, 65, 65, 64; the same 5 layers), and
+under tp=4 each rank holds 2 query heads and the one key-value head they share.
 """
 
 from __future__ import annotations
@@ -25,19 +27,20 @@ from support.training import ATOL, full_parameters
 
 STEPS = 5
 RTOL = 1e-9
+MODELS = ("test", "llama-test")  # every layout of 4 ranks, each
 
 
-def _config(layout: Layout, steps: int = STEPS) -> TrainConfig:
+def _config(layout: Layout, steps: int = STEPS, model: str = "test") -> TrainConfig:
     return TrainConfig(
-        layout=layout, model=model_spec("test"), steps=steps,
+        layout=layout, model=model_spec(model), steps=steps,
         dtype="float64", global_batch=8, micro_batches=4 if layout.pp == 4 else 0, seed=3,
     )
 
 
-def _train_layouts(rank: int, world_size: int, layouts: list[str]) -> dict:
+def _train_layouts(rank: int, world_size: int, layouts: list[str], model: str = "test") -> dict:
     results = {}
     for text in layouts:
-        trainer = Trainer(_config(Layout.parse(text)), rank, "cpu")
+        trainer = Trainer(_config(Layout.parse(text), model=model), rank, "cpu")
         losses = [trainer.train_step().loss for _ in range(STEPS)]
         results[text] = {"losses": losses, "params": full_parameters(trainer), "keys": _keys_match(trainer)}
     return results
@@ -51,7 +54,7 @@ def _keys_match(trainer: Trainer) -> bool:
 
 
 def _one_process(rank: int, world_size: int) -> dict:
-    return {"float64": _train_layouts(rank, world_size, ["dp=1"])["dp=1"],
+    return {"float64": {model: _train_layouts(rank, world_size, ["dp=1"], model)["dp=1"] for model in MODELS},
             "dtypes": _train_dtypes(rank, world_size, [("dp=1", dtype) for dtype in DTYPE_RTOL]),
             "uneven": _train_uneven(rank, world_size, ["dp=1"])["dp=1"]}
 
@@ -60,7 +63,8 @@ UNEVEN_4 = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
 
 
 def _four_processes(rank: int, world_size: int) -> dict:
-    return {"layouts": _train_layouts(rank, world_size, LAYOUTS_4), "uneven": _train_uneven(rank, world_size, UNEVEN_4)}
+    return {"layouts": {model: _train_layouts(rank, world_size, LAYOUTS_4, model) for model in MODELS},
+            "uneven": _train_uneven(rank, world_size, UNEVEN_4)}
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +82,13 @@ def four() -> list[dict]:
     return run_distributed(4, _four_processes)
 
 
-def test_all_four_rank_layouts_match_one_process(single, four):
-    reference = single["float64"]
+@pytest.mark.parametrize("model", MODELS)
+def test_all_four_rank_layouts_match_one_process(single, four, model):
+    reference = single["float64"][model]
     mixed = ("pp=2,fsdp=2", "dp=2,tp=2", "fsdp=2,tp=2", "dp=2,fsdp=2", "pp=2,tp=2")
     assert all(Layout.parse(text) in all_layouts(4) for text in mixed)
     assert len(LAYOUTS_4) == 10
-    per_rank = [r["layouts"] for r in four]
+    per_rank = [r["layouts"][model] for r in four]
     ref_losses = torch.tensor(reference["losses"], dtype=torch.float64)
     # Not vacuous: training moves the loss and the parameters.
     assert (ref_losses[0] - ref_losses[-1]).abs() > 1e-3
@@ -123,7 +128,7 @@ def test_a_batch_that_does_not_split_evenly_among_data_ranks_gives_the_same_loss
             for name, value in results[text]["params"].items():
                 torch.testing.assert_close(value, reference["params"][name], rtol=RTOL, atol=ATOL,
                                            msg=lambda m, n=name: f"{text} rank {rank} parameter {n}: {m}")
-    assert reference["losses"] != single["float64"]["losses"]  # a batch of 6, not the usual 8
+    assert reference["losses"] != single["float64"]["test"]["losses"]  # a batch of 6, not the usual 8
 
 
 def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:

@@ -1,6 +1,6 @@
 """Training with `--collectives trees`: DDP's and FSDP2's collectives on packed trees (the
 `shardshift` backend) compute what gloo computes (float64, relative 1e-9), in every data-parallel
-layout and across an online switch, and they really ran on trees."""
+layout, across an online switch and for the Llama, and they really ran on trees."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ HETERO4 = str(Path(__file__).parents[2] / "docs" / "topologies" / "hetero4.yaml"
 LAYOUTS = ["dp=4", "fsdp=4", "dp=2,fsdp=2"]  # DDP, FSDP2, HSDP: axis groups of the whole job and of part of it
 
 
-def _config(layout: str, collectives: str) -> TrainConfig:
-    return TrainConfig(layout=Layout.parse(layout), model=model_spec("test"), steps=2 * STEPS,
+def _config(layout: str, collectives: str, model: str = "test") -> TrainConfig:
+    return TrainConfig(layout=Layout.parse(layout), model=model_spec(model), steps=2 * STEPS,
                        dtype="float64", global_batch=8, seed=5, collectives=collectives,
                        topology=HETERO4 if collectives == "trees" else None)
 
@@ -48,12 +48,17 @@ def _train(rank: int, world_size: int) -> dict:
     trainer.switch(trainer.prepare_switch(Layout(fsdp=4)))
     losses.append(trainer.train_step().loss)
     out["switch", "trees"] = {"losses": losses, "params": full_parameters(trainer), "calls": tree_calls(trainer)}
+    # The Llama under HSDP: its gradients all-reduced across replicas and reduce-scattered within them.
+    for collectives in ("gloo", "trees"):
+        trainer = Trainer(_config("dp=2,fsdp=2", collectives, model="llama-test"), rank, "cpu")
+        losses = [trainer.train_step().loss for _ in range(STEPS)]
+        out["llama", collectives] = {"losses": losses, "params": full_parameters(trainer), "calls": tree_calls(trainer)}
     return out
 
 
 def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
     results = run_distributed(4, _train)
-    for layout, same in [*((layout, layout) for layout in LAYOUTS), ("switch", "dp=4")]:
+    for layout, same in [*((layout, layout) for layout in LAYOUTS), ("switch", "dp=4"), ("llama", "llama")]:
         gloo, trees = results[0][same, "gloo"], results[0][layout, "trees"]
         torch.testing.assert_close(torch.tensor(trees["losses"]), torch.tensor(gloo["losses"]), rtol=RTOL, atol=0)
         for name, value in gloo["params"].items():
@@ -63,6 +68,7 @@ def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
     # HSDP does both, the all-reduce across its replicas.
     for layout, ops in [("dp=4", {"allreduce"}), ("fsdp=4", {"allgather", "reducescatter"}),
                         ("dp=2,fsdp=2", {"allgather", "reducescatter", "allreduce"}),
+                        ("llama", {"allgather", "reducescatter", "allreduce"}),
                         ("switch", {"allgather", "reducescatter"})]:  # the fsdp=4 groups after the switch
         for rank, result in enumerate(results):
             calls = result[layout, "trees"]["calls"]
