@@ -1,6 +1,15 @@
 """The `shardshift` command line."""
 
 
+def model_help(default: str) -> str:
+    """What ``--model`` takes: the built-in models, family by family (`shardshift.models`)."""
+    from shardshift.models.gpt.config import PRESETS as GPT
+    from shardshift.models.llama.config import PRESETS as LLAMA
+
+    families = "; ".join(f"{family}: {', '.join(sizes)}" for family, sizes in (("a GPT", GPT), ("a Llama", LLAMA)))
+    return f"the model (docs/models.md), {families}; or hf:DIR, a Hugging Face model's directory (default {default})"
+
+
 def add_device_argument(parser) -> None:
     """``--device``: where the ranks run (`shardshift.runtime.resolve_device`); `main` hands it to
     them in the environment, so ranks started by torchrun read the same variable."""

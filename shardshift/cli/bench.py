@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shardshift.cli import add_device_argument
+from shardshift.cli import add_device_argument, model_help
 from shardshift.cli.topo import add_topology_arguments, pack_options_from_args, topology_from_args
 from shardshift.collectives.planning.ops import Collective
 from shardshift.layout import Layout
@@ -105,7 +105,7 @@ def _add_train(benches) -> None:
     p.add_argument("--layout", default="dp=4", help="the layout compared with DDP")
     p.add_argument("--also", default="fsdp=4;tp=4;pp=4;fsdp=2,tp=2",
                    help="more layouts reported beside it, separated by ';' (empty for none)")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", help=model_help("tiny"))
     p.add_argument("--dtype", default="float32")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="steps per variant per round")
@@ -161,7 +161,7 @@ def _add_switch(benches) -> None:
     p.add_argument("--suite", nargs="?", const=DEFAULT_SUITE, default=None,
                    help=f"a chain of layouts separated by ';', each switched to from the one before "
                         f"(default, for 4 ranks: {DEFAULT_SUITE})")
-    p.add_argument("--model", default="base", help="model size: test, tiny, small, medium, base")
+    p.add_argument("--model", default="base", help=model_help("base"))
     p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
     p.add_argument("--global-batch", type=int, default=8,
                    help="sequences per step (8 is the least pp=4 takes with its 8 micro-batches)")
@@ -257,7 +257,7 @@ def _add_elastic(benches) -> None:
                         "pauses, median and max (no restart column, no overhead jobs)")
     p.add_argument("--layout-for", action="append", default=[], metavar="N:LAYOUT",
                    help="the layout of a world of N workers (otherwise fsdp=N, else dp=N)")
-    p.add_argument("--model", default="base", help="model size: test, tiny, small, medium, base")
+    p.add_argument("--model", default="base", help=model_help("base"))
     p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
     p.add_argument("--global-batch", type=int, default=12, help="sequences per step")
     p.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart column")

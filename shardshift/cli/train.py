@@ -1,4 +1,4 @@
-"""`shardshift train`: train the GPT under a layout on N local processes (or under torchrun)."""
+"""`shardshift train`: train a model under a layout on N local processes (or under torchrun)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from shardshift.cli import add_device_argument
+from shardshift.cli import add_device_argument, model_help
 from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env, resolve_device
 from shardshift.train.argv import train_argv as train_argv  # the command line of a config; re-exported
@@ -19,7 +19,7 @@ DEFAULT_SWITCHES = ((0.4, Layout(tp=2, pp=2)), (0.7, Layout(fsdp=4)))
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a GPT under a dp x fsdp x tp x pp layout")
+    p = subparsers.add_parser("train", help="train a model under a dp x fsdp x tp x pp layout")
     add_train_arguments(p)
     p.set_defaults(func=run)
 
@@ -33,7 +33,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at", type=int, default=0, help="stop after this step (default: --steps); resume later with --resume")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
-    p.add_argument("--model", default="tiny", help="model size: test, tiny, small, medium, base")
+    p.add_argument("--model", default="tiny", help=model_help("tiny"))
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all data ranks")
     p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per data rank under pp (default 2*pp)")
     p.add_argument("--data", default=None, help="text file to train on (default: the shipped Shakespeare corpus)")
