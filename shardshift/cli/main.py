@@ -18,6 +18,7 @@ _COMMANDS = (
     ("train", "shardshift.cli.train"),
     ("join", "shardshift.cli.join"),
     ("sample", "shardshift.cli.sample"),
+    ("export", "shardshift.cli.export"),  # a checkpoint as a Hugging Face model directory
     ("topo", "shardshift.cli.topo"),
     ("bench", "shardshift.cli.bench"),  # benchmarks that print ratios measured side by side in one run
     ("plot", "shardshift.cli.plot"),  # pictures of training runs from their --metrics files

@@ -49,7 +49,7 @@ def require_transformers(name: str) -> None:
     Only looked up (not imported): importing transformers' models costs seconds."""
     missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"--model {name} needs {' and '.join(missing)}, which are not installed: {INSTALL}")
+        raise ValueError(f"--model {name} needs {' and '.join(missing)}, not installed here: {INSTALL}")
 
 
 @dataclasses.dataclass(frozen=True)
