@@ -40,6 +40,8 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce": "unit/test_packing.py::test_topo_pack_json",
     "shardshift sample --resume ckpt --prompt 'ROMEO:' --tokens 200 --temperature 0.8 --seed 0":
         "dist/test_sample.py::test_the_same_state_saved_under_three_layouts_writes_the_same_text",
+    "shardshift export --resume ckpt --out qwen-trained":
+        "dist/test_hf.py::test_an_exported_checkpoint_is_what_transformers_reads",
     "shardshift train --nproc 4 --layout fsdp=4 --collectives trees --topology docs/topologies/hetero4x.yaml":
         "dist/test_train_trees.py::test_the_command_trains_on_trees_and_counts_their_calls",
     "shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4' --topology docs/topologies/hetero4x.yaml --emulate":

@@ -16,8 +16,8 @@ Attention is PyTorch's ``scaled_dot_product_attention`` (transformers' ``sdpa``)
 exact in float64 (its eager attention takes the softmax in float32). A layer whose sliding window
 is shorter than the sequence (Mistral; Qwen's ``sliding_attention`` layers) gets a boolean mask that
 lets position i see j when ``0 <= i - j < window``, as transformers' own mask does; every other
-layer is causal, with no mask. Note that transformers' RMSNorm normalises in float32 whatever the
-dtype, so a float64 run is exact everywhere but there (and exactly as transformers' own forward).
+layer is causal, with no mask. transformers computes RMSNorm and RoPE's angles in float32
+whatever the dtype: a float64 run is float64 everywhere else, and exactly transformers' forward.
 """
 
 from __future__ import annotations
