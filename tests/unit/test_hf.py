@@ -102,6 +102,13 @@ def test_a_checkpoint_records_config_json_and_builds_the_model_from_it_alone(tmp
     assert model_spec("test").hf_config() is None  # the GPT has no Hugging Face form
 
 
+def test_simulate_plans_switches_of_an_hf_model_from_its_spec(tmp_path):
+    from shardshift.simulate.switch import model_space
+
+    name = save_hf_model("qwen2", tmp_path, weights=False)
+    assert model_space(name, "float32") is state_space(model_spec(name), torch.float32)
+
+
 def _refused(capsys, argv: list[str]) -> str:
     capsys.readouterr()  # what saving the model printed
     assert main(argv) == 2
