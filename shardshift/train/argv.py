@@ -16,7 +16,8 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
     from shardshift.train.config import OptimConfig
 
     optim = OptimConfig(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, grad_clip=cfg.optim.grad_clip)
-    if cfg.optim != optim or cfg.model.name not in model_names() or model_spec(cfg.model.name) != cfg.model:
+    named = cfg.model.name in model_names() or cfg.model.name.startswith("hf:")  # what --model can say
+    if cfg.optim != optim or not named or model_spec(cfg.model.name) != cfg.model:
         raise ValueError(f"the configuration has settings no flag of `shardshift train` sets: {cfg.optim}, "
                          f"{cfg.model}")
     argv = ["train", "--nproc", str(nproc), "--layout", str(cfg.layout), "--model", cfg.model.name,

@@ -109,6 +109,19 @@ def test_simulate_plans_switches_of_an_hf_model_from_its_spec(tmp_path):
     assert model_space(name, "float32") is state_space(model_spec(name), torch.float32)
 
 
+def test_the_command_line_of_a_run_names_its_hf_model(tmp_path):
+    """Harnesses that start a run of their own (`bench switch`'s restart baseline) pass hf:DIR on."""
+    from shardshift.cli.main import build_parser
+    from shardshift.cli.train import config_from_args, train_argv
+    from shardshift.train.config import TrainConfig
+
+    name = save_hf_model("qwen2", tmp_path, weights=False)
+    cfg = TrainConfig(layout=Layout(fsdp=2), model=model_spec(name), steps=4, global_batch=8)
+    argv = train_argv(cfg, nproc=2, timeout_s=10.0)
+    assert argv[argv.index("--model") + 1] == f"hf:{tmp_path}"
+    assert config_from_args(build_parser(argv).parse_args(argv), cfg.layout) == cfg
+
+
 def _refused(capsys, argv: list[str]) -> str:
     capsys.readouterr()  # what saving the model printed
     assert main(argv) == 2
