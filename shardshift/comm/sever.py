@@ -5,8 +5,10 @@ rank blocked on a peer that will never answer waits for the group's timeout. But
 TCP connections, and a pair whose socket is shut down fails every operation pending on it at
 once, on both ends ("Connection closed by peer"), as when the peer's process exits. So a process
 that knows its world is broken (a peer was lost) leaves it at once by shutting down its own
-established TCP connections, all but those it still needs: its clients of the job's store
-(`sever_connections(keep=...)`). The sockets stay open (gloo owns the descriptors and closes them
+established TCP connections, all but those it still needs: its long-lived clients of the job's
+store, kept by socket (`store_sockets`, `sever_connections(keep_sockets=...)`) or by their remote
+address. A store client made for one rendezvous is not kept: a rendezvous waiting on a peer that
+will never come fails as well. The sockets stay open (gloo owns the descriptors and closes them
 when its groups are destroyed); only the connections end.
 
 This reads the process's sockets from ``/proc`` (Linux). On NCCL the same role is played by
@@ -52,22 +54,36 @@ def _address(hex_address: str, family: int) -> str:
     return str(address)
 
 
-def connections(keep: Iterable[tuple[str, int]] = ()) -> list[int]:
+def connections(keep: Iterable[tuple[str, int]] = (), keep_sockets: Iterable[int] = ()) -> list[int]:
     """The file descriptors of this process's established TCP connections, but those whose remote
-    end is one of `keep` ((address, port) pairs; a host name is resolved)."""
+    end is one of `keep` ((address, port) pairs; a host name is resolved) and the sockets (inodes)
+    of `keep_sockets`."""
     kept = {(_resolved(host), port) for host, port in keep}
-    endpoints = _remote_endpoints()
-    fds = []
+    kept_sockets = set(keep_sockets)
+    return [fd for fd, (inode, remote) in _sockets(_remote_endpoints()).items()
+            if remote not in kept and inode not in kept_sockets]
+
+
+def store_sockets(address: tuple[str, int]) -> frozenset[int]:
+    """The sockets (inodes) of this process's established connections to `address` now: the store
+    clients to keep when the others are severed."""
+    remote = (_resolved(address[0]), address[1])
+    return frozenset(inode for inode, end in _sockets(_remote_endpoints()).values() if end == remote)
+
+
+def _sockets(endpoints: dict[int, tuple[str, int]]) -> dict[int, tuple[int, tuple[str, int]]]:
+    """File descriptor -> (socket inode, remote end) of this process's descriptors among `endpoints`."""
+    out = {}
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            remote = endpoints.get(int(target[len("socket:["):-1]))
-            if remote is not None and remote not in kept:
-                fds.append(int(name))
-    return fds
+            inode = int(target[len("socket:["):-1])
+            if inode in endpoints:
+                out[int(name)] = (inode, endpoints[inode])
+    return out
 
 
 def _resolved(host: str) -> str:
@@ -77,11 +93,11 @@ def _resolved(host: str) -> str:
         return socket.gethostbyname(host)
 
 
-def sever_connections(keep: Iterable[tuple[str, int]] = ()) -> int:
-    """Shut down every established TCP connection of this process but those to `keep` (module
-    docstring); the number shut down."""
+def sever_connections(keep: Iterable[tuple[str, int]] = (), keep_sockets: Iterable[int] = ()) -> int:
+    """Shut down every established TCP connection of this process but those to `keep` and those of
+    `keep_sockets` (module docstring); the number shut down."""
     count = 0
-    for fd in connections(keep):
+    for fd in connections(keep, keep_sockets):
         try:
             sock = socket.socket(fileno=fd)
         except OSError:  # closed meanwhile, or not a socket any more

@@ -10,10 +10,12 @@
   (`launch_elastic`); `membership`: a world's process groups, and a worker's heartbeat;
 - `worker`: one worker, the one training loop with the hooks of a changing world
   (`ElasticWorker`); `change`: the next world and the plan into it (`plan_change`, pure);
-  `moving`: the move of the state into it; `admission`: how joiners join; `recovery`: the commit
-  vote and crash recovery (`WorldLost`); `faults`: scripted faults (`--inject`); its `lookout`
-  thread sees a change coming during a step (`Lookout`), and `ahead` plans that change before it
-  (`Ahead`);
+  `moving`: the move of the state into it, tried again when a worker of it dies; `admission`:
+  how joiners join; `recovery`: the commit vote and crash recovery; `restart`: a world from the
+  newest checkpoint, when no live worker holds some piece (`WorldLost` when that fails too);
+  `watch`: leaving a broken world at once; `orphaned`: the coordinator's loss; `faults`: scripted
+  faults (`--inject`); its `lookout` thread sees a change coming during a step (`Lookout`), and
+  `ahead` plans that change before it (`Ahead`);
 - `redundancy`: in-memory copies of the state, so that the pieces of crashed workers survive
   (`copy_duties`, `Copies`).
 
@@ -28,7 +30,7 @@ _NAMES = {
     "CostModel": ".policy", "choose_layout": ".policy",
     "JobStore": ".protocol", "Epoch": ".protocol", "CrashRecord": ".protocol",
     "launch_elastic": ".coordinator",
-    "ElasticWorker": ".worker", "plan_change": ".change", "WorldLost": ".recovery",
+    "ElasticWorker": ".worker", "plan_change": ".change", "WorldLost": ".restart",
     "Lookout": ".lookout", "Ahead": ".ahead",
     "Copies": ".redundancy", "copy_duties": ".redundancy",
 }  # fmt: skip

@@ -120,13 +120,24 @@ class Change:
         """The processes of the move group: the union but the crashed (the last of it, in no group)."""
         return len(self.union) - len(self.placement.lost)
 
+    def keeps_old(self, budget: int) -> bool:
+        """Whether the old world's workers keep their whole state until the move is done (rather than
+        free each piece once sent), so that a move that fails goes back to the old world's state:
+        when holding the old and the new state at once takes, on every process, at most half of
+        the switch's memory budget beyond the larger of the two (the other half is the schedule's)."""
+        plan = self.plan
+        return all(min(plan.held_bytes(plan.old_boxes, p), plan.held_bytes(plan.new_boxes, p)) <= budget // 2
+                   for p in range(plan.world_size))
 
-def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old: Epoch, request: Request, ahead=None) -> Change:
+
+def plan_change(cfg: TrainConfig, ecfg: ElasticConfig, old: Epoch, request: Request, ahead=None,
+                number: int | None = None) -> Change:
     """The next world after `old` and the plan that moves the state into it (module docstring).
     Pure, and the same on every worker of the old and the new world. The plan is taken from
-    `ahead` (an `ahead.Ahead`) when it was worked out there."""
+    `ahead` (an `ahead.Ahead`) when it was worked out there. `number`: the new epoch's, when it is
+    not ``old.number + 1`` (a change tried again after one that failed: `moving`)."""
     placement = Placement.of(cfg, ecfg, old, request)
     plan = ahead.get(placement, placement.plan) if ahead is not None else placement.plan()
-    epoch = Epoch(old.number + 1, tuple(placement.union[u] for u in plan.new.ranks), placement.layout, request.step,
+    epoch = Epoch(old.number + 1 if number is None else number, tuple(placement.union[u] for u in plan.new.ranks), placement.layout, request.step,
                   request.kind, request.admitted, observed=request.observed)
     return Change(old, epoch, placement, plan, cfg.with_layout(placement.layout))

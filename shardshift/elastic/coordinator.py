@@ -13,11 +13,11 @@ processes it started, and how the job ends:
 - a signal to the coordinator (SIGINT, SIGTERM, SIGHUP) is written to the store (a stop): the
   workers finish their step, save with ``--save``, and exit; what is left after the drain time is
   killed;
-- a worker of the current world that dies otherwise (a crash) is reported to the others in the
-  store (a `protocol.CrashRecord`, once, with every worker that died within `_Crashes.SETTLE_S`); they
-  agree on the last committed step and go on without it (`worker.py`). A worker that fails after
-  that, one that dies while the state moves into the next world (joiners included), or one the
-  job cannot go on without, stops the job, naming it.
+- a worker of the current world, or of a change of world under way (joiners admitted to it
+  included), that dies otherwise (a crash) is reported to the others in the store (a
+  `protocol.CrashRecord`, with every worker that died within `_Crashes.SETTLE_S`); they agree on
+  the last committed step, or on going back to the world before the change, and go on without it
+  (`recovery`, `moving`). A worker the job cannot go on without stops the job, naming it.
 
 Workers started elsewhere join with ``shardshift join --coordinator HOST:PORT``. They are not the
 coordinator's children: it watches their heartbeats only (by its own clock), and one silent for
@@ -199,15 +199,17 @@ def _watch(procs: dict[str, Forked], store: JobStore, signals: list[int], drain_
 
 
 class _Crashes:
-    """Crashed workers of the current world, reported once in a `CrashRecord` (the workers' only
-    source for who is lost, so that every survivor plans from the same set): a short while after
-    the first, so that workers that died together are reported together."""
+    """Crashed workers of the current world or of a change under way, reported once in a
+    `CrashRecord` (the workers' only source for who is lost, so that every survivor plans from the
+    same set): a short while after the first, so that workers that died together are reported
+    together."""
 
     SETTLE_S = 0.3
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
         self.pending: list[int] = []
+        self.reported: set[int] = set()  # every worker recorded lost so far
         self.seen = 0.0  # time.time() of the first pending exit
         self.first_at = 0.0
         self.checked_at = 0.0  # the last heartbeat check (time.monotonic())
@@ -224,12 +226,12 @@ class _Crashes:
         return self._lose(member)
 
     def _lose(self, member: int) -> bool:
-        epoch = self.store.current_number()
-        members = self.store.epoch(epoch).members
-        if member not in members or self.store.has_crash(epoch) or self.store.has_epoch(epoch + 1):
-            # Not a member now, a second crash in the same world, or a crash while the state moves
-            # into the next world (part of it in flight): not survived here.
-            return False
+        current, newest = self.store.current_number(), self.store.newest_number()
+        involved = set().union(*(self.store.epoch(n).members for n in range(current, newest + 1)))
+        if member in self.reported:
+            return True  # taken for lost already (its heartbeat stopped): the others went on without it
+        if member not in involved:
+            return False  # in no world the job trains in, nor in a change under way: not survived here
         if not self.pending:
             self.seen, self.first_at = time.time(), time.monotonic()
         self.pending.append(member)
@@ -294,8 +296,17 @@ class _Crashes:
         return out
 
     def publish_if_settled(self) -> None:
-        if self.pending and time.monotonic() - self.first_at > self.SETTLE_S:
-            self.store.publish_crash(self.store.current_number(), CrashRecord(tuple(self.pending), self.seen))
+        """Record the workers that died together, once settled, under the epoch they break: the newest
+        written (the current world, or the change under way) if it has no record yet, otherwise the
+        next (the change its survivors are about to make). When both have one, the record waits for
+        that change to be written."""
+        if not self.pending or time.monotonic() - self.first_at <= self.SETTLE_S:
+            return
+        newest = self.store.newest_number()
+        number = next((n for n in (newest, newest + 1) if not self.store.has_crash(n)), None)
+        if number is not None:
+            self.store.publish_crash(number, CrashRecord(tuple(self.pending), self.seen))
+            self.reported.update(self.pending)
             self.pending = []
 
 

@@ -40,6 +40,15 @@ from shardshift.train.trainer import Trainer
 SAVE_MARKER = ".shardshift-job"  # in --save: the running job's token (`ElasticWorker._mark_save_dir`)
 
 
+@dataclasses.dataclass
+class Carried:
+    """What a worker takes with it out of a world: its state there and the copies it kept of others'
+    pieces (`--redundancy`; None without)."""
+
+    state: TrainingState
+    copies: Copies | None
+
+
 class ElasticWorker:
     """A worker of an elastic run, in a world (`trainer` set) or about to join one."""
 
@@ -58,6 +67,9 @@ class ElasticWorker:
         self.watch = BrokenWorldWatch(store.address, timeout_s)  # severs a broken world's connections
         self._store_failed = False  # a call of this thread's to the store failed (`orphaned`)
         self.copies: Copies | None = None  # --redundancy: the copies this worker keeps and feeds
+        # Between leaving a world and the next world being sure (`moving`): the state and the copies
+        # this worker took with it, which a change that fails goes back to.
+        self.carried: Carried | None = None
         # The job's measured step times (the slowest rank's), by layout, the same on every worker of
         # the world: the layout policy's calibration (`observed`). A world's first step is left
         # out (it pays for warming up); a new world starts from what its epoch was chosen by.
@@ -101,6 +113,7 @@ class ElasticWorker:
             self.metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),
                                 "layout": str(cfg.layout)})
         self.enter_world(dataclasses.replace(epoch, step=trainer.progress.step), trainer)
+        self.watch.arm(self.epoch.number)
         warm_up(cfg, trainer.par)  # a change's first model build, done now and not in its pause
         self.store.register_process(self.member)  # the coordinator names a crashed worker by it
         if proc.rank == 0:
@@ -134,20 +147,20 @@ class ElasticWorker:
         return token
 
     def enter_world(self, epoch: Epoch, trainer: Trainer | None) -> None:
-        """Be in `epoch`'s world with `trainer` (None: this worker is not in it). Every worker of a
-        new world starts from the same measurements: those its epoch records."""
+        """Be in `epoch`'s world with `trainer` (None: this worker is not in it), its copies filled
+        (a collective of the world). Every worker of a new world starts from the same measurements:
+        those its epoch records. The caller arms the watch once the world is sure."""
         self.epoch = epoch
         self.step_times = {layout: [seconds] for layout, seconds in epoch.observed}
         self.steps_in_world = 0
         self.loop.trainer = trainer
         if trainer is not None:
             self._keep_copies(trainer.rank)
-            self.watch.arm(epoch.number)
 
-    def leave_world(self) -> TrainingState:
-        """Leave this world's process groups; the state this worker held in it."""
-        self.watch.disarm()
-        trainer = self.trainer
+    def leave_world(self) -> Carried:
+        """Leave this world's process groups; the state and the copies this worker held in it. (Its
+        watch is the caller's: disarmed, or armed for the change it makes.)"""
+        trainer, copies = self.trainer, self.copies
         trainer.release_runtime()
         self.loop.trainer = None
         self.copies = None
@@ -155,7 +168,18 @@ class ElasticWorker:
         self.loop.metrics = Metrics(None, 0)
         dist.destroy_process_group()
         forget_old_meshes()
-        return trainer.state
+        return Carried(trainer.state, copies)
+
+    def abandon_world(self) -> None:
+        """Drop whatever this worker built of a world that is not going to train (a change that
+        failed): its trainer and copies, its default process group, its meshes."""
+        self.loop.trainer = None
+        self.copies = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        else:  # it may have failed halfway, having counted a group all the same
+            membership.forget_group_names()
+        forget_old_meshes()
 
     def opened(self, event: dict) -> None:
         """A new world is ready to train: its rank 0 records the change and says it in one line."""
@@ -203,6 +227,7 @@ class ElasticWorker:
         self.lookout = Lookout(JobStore.connect(self.store.address, self.timeout_s), self.member, self.ecfg,
                                lambda: bool(self.signals.received), self._foresee)
         self.lookout.start()
+        self.watch.keep_store_clients()  # the lookout's among them
         try:
             self.loop.run()
             return 0

@@ -12,6 +12,7 @@ import datetime
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from shardshift.elastic.protocol import Epoch, JobStore
@@ -25,6 +26,23 @@ def init_world(store: dist.Store, epoch: Epoch, rank: int, timeout_s: float, bac
     """Join epoch `epoch`'s world as `rank`: the default process group, on its own prefix."""
     dist.init_process_group(backend, store=dist.PrefixStore(f"epoch{epoch.number}/world", store), rank=rank,
                             world_size=epoch.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def forget_group_names() -> None:
+    """Number this process's next process groups from 0 again, as destroying the default group does.
+
+    torch names a group without a name by a per-process counter, and that name is part of its
+    rendezvous keys: every rank of a world must have counted alike. A default group whose
+    rendezvous failed (a peer died) was counted but never made, so there is nothing to destroy;
+    the counter (private in PyTorch 2.13: ``distributed_c10d._world.group_count``) is set back by
+    hand."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if world is None or not hasattr(world, "group_count"):
+        raise RuntimeError("torch.distributed no longer counts unnamed groups in distributed_c10d._world.group_count; "
+                           "shardshift.elastic.membership.forget_group_names must follow it")
+    world.group_count = 0
 
 
 def move_group(store: dist.Store, epoch: Epoch, process: int, processes: int, timeout_s: float):
@@ -49,3 +67,12 @@ def start_heartbeat(address: str, member: int, interval_s: float, timeout_s: flo
             time.sleep(interval_s)
 
     threading.Thread(target=beat, name=f"shardshift-heartbeat-{member}", daemon=True).start()
+
+
+def worst(group, values: list[float]) -> list[float]:
+    """The largest of each value over `group` (a collective; any group with torch's methods)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([tensor], options).wait()
+    return tensor.tolist()

@@ -19,7 +19,8 @@ commit vote, and from its lookout and heartbeat threads.
 | ``admit/{e}/{step}`` | the queue places admitted after that step (JSON) | rank 0 | the world's other ranks |
 | ``notice/{e}``, ``notice/{e}/{rank}`` | notices to leave (a counter; the rank's flag) | the rank's lookout | lookouts |
 | ``commit/{e}/{step}``, ``…/decision`` | the step's votes (a counter); apply or abort, set once | workers | workers |
-| ``crash/{e}`` | the workers lost from epoch e (`CrashRecord`, JSON) | coordinator | survivors |
+| ``moved/{e}``, ``…/decision`` | votes that the change into epoch e is complete (a counter); done or failed, set once | the change's workers | the change's workers |
+| ``crash/{e}`` | the workers lost from epoch e, or from the change into it (`CrashRecord`, JSON) | coordinator | survivors |
 | ``stop``, ``stopped``, ``done`` | a signal to stop the job; the job stopped; it finished | coordinator; rank 0; rank 0 | workers; coordinator; both |
 | ``inject/{event}/…`` | scripted events fired once (`--inject`) | workers | workers |
 
@@ -157,6 +158,10 @@ class JobStore:
         """The workers agreed to stop: their exits from now on are not crashes."""
         self.store.set("stopped", str(signum))
 
+    def mark_failed(self) -> None:
+        """A worker stops the job: it cannot go on (`restart.WorldLost`); exits now are not crashes."""
+        self.store.set("stopped", "failed")
+
     def stopped(self) -> bool:
         return self._has("stopped")
 
@@ -176,6 +181,16 @@ class JobStore:
 
     def epoch(self, number: int) -> Epoch:
         return Epoch.from_json(self.store.get(f"epoch/{number}"))
+
+    def newest_number(self) -> int | None:
+        """The newest epoch written: the current one, or a change into a next one under way (maybe one
+        that failed, and the try after it)."""
+        number = self.current_number()
+        if number is None:
+            return None
+        while self.has_epoch(number + 1):
+            number += 1
+        return number
 
     def set_current(self, number: int) -> None:
         """Epoch `number`'s world is ready and trains."""
@@ -286,13 +301,32 @@ class JobStore:
     def decide(self, epoch: int, step: int, apply: bool) -> bool:
         """Propose whether `step` of `epoch` is applied; the decision, which the first proposal made
         (one compare-and-set: whoever reads it later reads the same, whatever was counted since)."""
-        key = f"commit/{epoch}/{step}/decision"
-        return self.store.compare_set(key, "", "apply" if apply else "abort").decode() == "apply"
+        return self._decide(f"commit/{epoch}/{step}/decision", apply)
 
     def decision(self, epoch: int, step: int) -> bool | None:
         """Whether `step` of `epoch` is applied, once decided (None before)."""
-        key = f"commit/{epoch}/{step}/decision"
-        return self.store.get(key).decode() == "apply" if self._has(key) else None
+        return self._decision(f"commit/{epoch}/{step}/decision")
+
+    def vote_moved(self, epoch: int) -> int:
+        """Count this worker's vote that the change into `epoch` is complete here; the votes counted."""
+        return self.store.add(f"moved/{epoch}", 1)
+
+    def moved_votes(self, epoch: int) -> int:
+        return self.store.add(f"moved/{epoch}", 0)
+
+    def decide_moved(self, epoch: int, done: bool) -> bool:
+        """Propose whether the change into `epoch` is done (its world trains) or failed (the workers go
+        back to the world before it); the decision, as for `decide`."""
+        return self._decide(f"moved/{epoch}/decision", done)
+
+    def moved_decision(self, epoch: int) -> bool | None:
+        return self._decision(f"moved/{epoch}/decision")
+
+    def _decide(self, key: str, yes: bool) -> bool:
+        return self.store.compare_set(key, "", "yes" if yes else "no").decode() == "yes"
+
+    def _decision(self, key: str) -> bool | None:
+        return self.store.get(key).decode() == "yes" if self._has(key) else None
 
     def publish_crash(self, epoch: int, record: CrashRecord) -> None:
         self.store.set(f"crash/{epoch}", record.to_json())

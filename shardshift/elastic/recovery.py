@@ -19,44 +19,30 @@
   above.
 - **Each piece comes from a copy.** The survivors form the next world and move the state as for a
   leave, every piece the lost worker held taken from a replica or a kept copy (``--redundancy``).
-  A piece with no surviving copy sends the survivors to the newest checkpoint of ``--save``
-  instead: they form their world, load it, and report the steps lost. Fewer survivors than
-  ``--min-nproc``, or no copy and no checkpoint, stop the job with that message (`WorldLost`).
+  A worker lost while that happens (a second crash) makes the move fail, and it is tried again
+  without it (`moving`). A piece with no surviving copy sends the survivors to the newest
+  checkpoint of ``--save`` instead (`restart`). Fewer survivors than ``--min-nproc``, or no copy
+  and no checkpoint, stop the job with that message (`restart.WorldLost`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from shardshift.elastic import membership
 from shardshift.elastic.change import Request, plan_change
-from shardshift.elastic.config import layout_for
-from shardshift.elastic.moving import move, worst
-from shardshift.elastic.protocol import Epoch
-from shardshift.train import checkpoint
-from shardshift.train.catalog import checkpoints
+from shardshift.elastic.moving import move
+from shardshift.elastic.restart import check_enough, restart_from_checkpoint
 from shardshift.train.loop import Hook, Loop
 from shardshift.train.run import RunFailed
-from shardshift.train.trainer import Trainer
 
 if TYPE_CHECKING:
     from shardshift.elastic.member import ElasticWorker
 
 VOTE_POLL_S = 0.002
 RECORD_POLL_S = 0.01
-
-
-class WorldLost(RunFailed):
-    """Workers were lost and the job cannot go on in the running processes."""
-
-    def __init__(self, what: str, save: str | None) -> None:
-        where = f"resume with --resume {save}" if save else "start again (give --save to have checkpoints)"
-        super().__init__(f"{what}: the job stops; {where}")
 
 
 class CommitVote(Hook):
@@ -134,52 +120,20 @@ class CrashRecovery(Hook):
                             f"{trainer.progress.step}, and the others went on without it; it exits")
         detect = max(0.0, time.time() - record.seen)
         trainer.optimizer.zero_grad(set_to_none=True)
+        step = trainer.progress.step
         survivors = [m for m in epoch.members if m not in lost]
-        if len(survivors) < worker.ecfg.min_nproc:
-            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step}, leaving "
-                            f"{len(survivors)}, fewer than --min-nproc {worker.ecfg.min_nproc}", worker.cfg.save)
+        check_enough(worker, lost, len(survivors), step)
         duties = worker.copies.duties if worker.copies is not None else ()
-        request = Request("crash", trainer.progress.step, epoch.admitted, lost=lost, copies=duties,
-                          observed=worker.observed())
+        request = Request("crash", step, epoch.admitted, lost=lost, copies=duties, observed=worker.observed())
         try:
             change = plan_change(worker.cfg, worker.ecfg, epoch, request, ahead=worker.ahead)
         except ValueError as no_copy:
-            self._restart_from_checkpoint(survivors, lost, no_copy, noticed, detect)
+            worker.leave_world()
+            restart_from_checkpoint(worker, epoch, survivors, epoch.number + 1, lost, str(no_copy), step, noticed,
+                                    detect)
             return True
         if dist.get_rank() == min(epoch.members.index(m) for m in survivors):
             worker.store.admit(change.epoch, ())
         used_copies = any(seg.copy_of is not None for seg in change.plan.segments)
         move(worker, change, noticed, detect_s=detect, recovered_from="redundancy" if used_copies else "replica")
         return True
-
-    def _restart_from_checkpoint(self, survivors: list[int], lost: frozenset[int], why: ValueError, noticed: float,
-                                 detect: float) -> None:
-        """No surviving copy of some piece: the survivors form their world and load the newest
-        checkpoint of `--save` (the steps since it are lost, and run again)."""
-        worker = self.worker
-        trainer, epoch, cfg = worker.trainer, worker.epoch, worker.cfg
-        newest = checkpoints(Path(cfg.save)) if cfg.save else []
-        if not newest:
-            beyond = (f" (more workers failed at once than --redundancy {worker.ecfg.redundancy} covers)"
-                      if worker.ecfg.redundancy else "")
-            raise WorldLost(f"workers {sorted(lost)} were lost after step {trainer.progress.step} and {why}{beyond}; "
-                            "there is no checkpoint either (give --save)", None)
-        layout = layout_for(len(survivors), worker.ecfg, cfg, worker.observed())
-        new_cfg = cfg.with_layout(layout)
-        step_before = trainer.progress.step
-        next_epoch = Epoch(epoch.number + 1, tuple(survivors), layout, step_before, "crash", epoch.admitted,
-                           observed=worker.observed())
-        worker.leave_world()
-        rank = survivors.index(worker.member)
-        if rank == 0:
-            worker.store.admit(next_epoch, ())
-        membership.init_world(worker.store.store, next_epoch, rank, worker.timeout_s, "gloo")
-        worker.cfg = new_cfg
-        trainer = Trainer(new_cfg, rank, worker.device_type, tokens=worker.tokens, timeout_s=worker.timeout_s)
-        checkpoint.load(trainer, newest[0])
-        worker.enter_world(dataclasses.replace(next_epoch, step=trainer.progress.step), trainer)
-        pause = worst(dist.group.WORLD, [time.monotonic() - noticed, detect])
-        worker.opened({"kind": "crash", "from_world": epoch.world_size, "to_world": len(survivors),
-                       "from": str(epoch.layout), "to": str(layout), "detect_seconds": pause[1],
-                       "pause_seconds": pause[0], "bytes_moved": 0, "steps_lost": step_before - trainer.progress.step,
-                       "recovered_from": "checkpoint", "checkpoint": str(newest[0])})

@@ -17,6 +17,7 @@ A crash is survived by the commit vote and the recovery of `recovery` (`CommitVo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -35,9 +36,10 @@ from shardshift.elastic.moving import move
 from shardshift.elastic.orphaned import CoordinatorLoss
 from shardshift.elastic.protocol import JobStore
 from shardshift.elastic.recovery import CommitVote, CrashRecovery
+from shardshift.elastic.restart import WorldLost
 from shardshift.train.config import TrainConfig
 from shardshift.train.loop import Hook, Loop
-from shardshift.train.run import exit_status
+from shardshift.train.run import RunFailed, exit_status
 from shardshift.train.trainer import StepResult
 
 
@@ -108,7 +110,7 @@ class Membership(Hook):
     def _change(self, loop: Loop, control: Control) -> None:
         worker = self.worker
         decided_at = time.monotonic()
-        worker.watch.disarm()  # nothing of the next world's connections may be cut
+        worker.watch.disarm()  # the world's watch ends here: the move watches the change (`moving`)
         worker.lookout.world = None
         old, store, step = worker.epoch, worker.store, loop.trainer.progress.step
         places = store.admissions(old.number, step) if control.joins else []
@@ -158,6 +160,12 @@ def joiner_main(cfg: TrainConfig, ecfg: ElasticConfig, address: str, timeout_s: 
         worker.watch.close()
         say(f"shardshift: error: {err}", "stderr")
         return 2
+    except RunFailed as err:  # the change it was admitted to failed, and the job cannot go on
+        _job_failed(worker, err)
+        worker.ahead.close()
+        worker.watch.close()
+        say(f"shardshift: error: {err}", "stderr")
+        return 1
     if not admitted:
         worker.ahead.close()
         worker.watch.close()
@@ -177,14 +185,29 @@ def _finish(worker: ElasticWorker, parent: int) -> int:
     coordinator is killed: Linux closes a dying process's sockets before it signals its children,
     so a worker can find the store gone, end its run and only then get the SIGTERM; with the
     default handler back, that signal would kill it before it removed the directory."""
+    def body() -> int:
+        try:
+            return worker.run(hooks(worker))
+        except RunFailed as err:
+            _job_failed(worker, err)
+            raise
+
     try:
-        return exit_status(lambda: worker.run(hooks(worker)))
+        return exit_status(body)
     finally:
         worker.ahead.close()
         worker.watch.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         _remove_job_dir_if_orphaned(parent)
+
+
+def _job_failed(worker: ElasticWorker, err: RunFailed) -> None:
+    """Tell the coordinator that the job cannot go on (`restart.WorldLost`): the exits that follow
+    are not crashes to survive."""
+    if isinstance(err, WorldLost):
+        with contextlib.suppress(dist.DistError):
+            worker.store.mark_failed()
 
 
 def _remove_job_dir_if_orphaned(parent: int) -> None:

@@ -27,7 +27,9 @@ piece's memory becomes the new piece's: the two storages swap their bytes (`_han
 is copied and no fresh page is touched. The new piece's storage has been given bytes of its own
 when it was opened, never written; the swap leaves them to the old piece, which frees them when it
 is released. Later reads of the old piece (sends in later rounds) read the new one: the same bytes.
-Pieces that do not own their storage alike (a padded FSDP shard) are copied instead.
+Pieces that do not own their storage alike (a padded FSDP shard) are copied instead, and so is
+every piece of a source that keeps its state whole (``keep``: a change of world that can still go
+back to the old state).
 
 `compile_program` turns the schedule into what one process does, round by round, with every slice
 and offset worked out; it is pure and runs when the switch is prepared, so that the switch itself
@@ -52,6 +54,9 @@ from shardshift.reshard.schedule import Message, SwitchSchedule
 
 
 class Source(Protocol):
+    """The old state (module docstring). A source with a true attribute ``keep`` gives nothing away:
+    its pieces are copied, never handed over, and `release` leaves them whole."""
+
     def local(self, tensor: int, copy_of: int | None = None) -> torch.Tensor: ...
 
     def release(self, tensor: int) -> None: ...
@@ -301,6 +306,7 @@ class _OldPieces:
     def __init__(self, source: Source):
         self.source = source
         self.handed: dict[int, torch.Tensor] = {}
+        self.keep = getattr(source, "keep", False)  # never hand a piece over (`Source`)
 
     def local(self, tensor: int, copy_of: int | None = None) -> torch.Tensor:
         if copy_of is None and tensor in self.handed:
@@ -309,8 +315,8 @@ class _OldPieces:
 
     def hand_over(self, tensor: int, new: torch.Tensor) -> bool:
         """Give `new` (the whole new piece, never written) the old piece's bytes; False where the
-        two cannot swap storages and the caller must copy."""
-        if not _hand_over(self.source.local(tensor), new):
+        two cannot swap storages, or the source keeps its pieces, and the caller must copy."""
+        if self.keep or not _hand_over(self.source.local(tensor), new):
             return False
         self.handed[tensor] = new
         return True

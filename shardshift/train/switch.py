@@ -121,11 +121,12 @@ class _StateSource:
     """The old state's local pieces, by logical tensor (`TrainingState.tensors()`); and, through
     `copies(of, key)`, the copies this process keeps of lost processes' pieces (`--redundancy`)."""
 
-    def __init__(self, state: TrainingState, space: TrainingSpace, copies=None):
+    def __init__(self, state: TrainingState, space: TrainingSpace, copies=None, keep: bool = False):
         self.tensors = space.tensors
         self.held = state.tensors()
         self.pieces: dict[int, torch.Tensor] = {}
         self.copies = copies
+        self.keep = keep  # free nothing: the state stays whole until the switch is over
 
     def local(self, index: int, copy_of: int | None = None) -> torch.Tensor:
         if copy_of is not None:
@@ -136,7 +137,7 @@ class _StateSource:
         return piece
 
     def release(self, index: int) -> None:
-        if self.tensors[index].kind in ("param", *MOMENTS):
+        if not self.keep and self.tensors[index].kind in ("param", *MOMENTS):
             # The old model and optimizer are dropped after the switch; free the bytes now. A
             # storage shared with numpy cannot shrink: it is freed with the old model instead.
             storage = self.local(index).untyped_storage()
@@ -295,7 +296,8 @@ def warm_up(cfg: TrainConfig, par: Parallel | None, device_type: str = "cpu") ->
 
 
 def switch_world(old: TrainingState | None, plan: TransitionPlan, program: SwitchProgram, new_cfg: TrainConfig,
-                 new_par: Parallel | None, group, timeout_s: float, copies=None) -> tuple[TrainingState | None, ExecStats]:
+                 new_par: Parallel | None, group, timeout_s: float, copies=None,
+                 keep_old: bool = False) -> tuple[TrainingState | None, ExecStats]:
     """Move the state into a world of another size: `plan` places the old and the new world on
     their processes together (`reshard.plan`), and `program` is this process's part of its
     schedule (`reshard.execute.compile_program`: planned ahead, maybe, while training went on).
@@ -304,7 +306,9 @@ def switch_world(old: TrainingState | None, plan: TransitionPlan, program: Switc
     world (None: it leaves, and returns None). `group` holds every process of the plan and carries
     the transfers. `copies(of, key)`: the copy this process keeps of lost process `of`'s piece of
     logical tensor `key`, for a plan that takes pieces from copies. The new model and AdamW state
-    are built with no storage and filled as `switch_state` fills them; `old` is consumed as there.
+    are built with no storage and filled as `switch_state` fills them; `old` is consumed as there,
+    unless `keep_old`: then it stays whole, and usable if the move fails (the caller drops it once
+    the new world is sure).
     """
     space = state_space(new_cfg.model, new_cfg.param_dtype)
     sink = model = None
@@ -312,14 +316,14 @@ def switch_world(old: TrainingState | None, plan: TransitionPlan, program: Switc
         model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype)
         sink = _ModelSink(model, space, new_par.device)
     device = new_par.device if new_par is not None else old.par.device
-    source = _StateSource(old, space, copies) if old is not None else _Nothing()
+    source = _StateSource(old, space, copies, keep=keep_old) if old is not None else _Nothing()
     try:
         stats = run_program(program, source, sink or _Nothing(), Transport(group), Deadline.after(timeout_s), device)
     except BaseException as err:
-        if old is not None:
+        if old is not None and not keep_old:
             old.mark_lost(f"a change of world from {plan.old} to {plan.new} failed while moving it ({err})")
         raise
-    if old is not None:
+    if old is not None and not keep_old:
         old.mark_lost(f"a change of world moved it to {plan.new}; use the state it returned")
     if new_par is None:
         return None, stats

@@ -147,3 +147,59 @@ def test_two_workers_killed_at_once_are_survived_from_the_copies_of_redundancy_2
         ("crash", 4, 2, "redundancy", 0)]
     _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), want)
     assert not _alive(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def fixed8(tmp_path_factory):
+    """The losses of 8 steps in one process: what every run below must compute."""
+    path = tmp_path_factory.mktemp("fixed8")
+    return _fixed_losses(path, 8, 300)
+
+
+def _changes(path) -> list[tuple]:
+    return [(e["kind"], e["from_world"], e["to_world"], e["recovered_from"], e["steps_lost"])
+            for e in metrics(path) if e.get("event") == "membership"]
+
+
+@pytest.mark.parametrize("victim, changes", [
+    # process 1 of the 2 -> 3 change: worker 1 of the old world. Its pieces come from the copy worker 0
+    # kept of them (--redundancy 1); the joiner comes along.
+    (1, [("crash", 2, 2, "rollback", 0)]),
+    # process 2: the joiner, admitted, dies as the state starts to move; the old world goes on.
+    (2, [("crash", 2, 2, "rollback", 0)]),
+], ids=["old-worker", "joiner"])
+def test_a_worker_killed_while_the_state_moves_sends_the_change_back_to_the_old_world(tmp_path, budget, fixed8,
+                                                                                      victim, changes):
+    """After step 3 a joiner is admitted (2 -> 3 workers, fsdp: no replica); as the state starts to
+    move, one process of the change gets a real SIGKILL. Every worker of the change kept its old
+    state whole (a small model: it fits the switch's budget twice), so the change is decided
+    failed and tried again from the old world without the dead worker: no checkpoint (none is
+    given), no step lost, the fixed run's losses, and nobody waits for --timeout."""
+    run = _run(tmp_path, 8, "--elastic", "--nproc", "2", "--max-nproc", "3", "--redundancy", "1", "--layout-for",
+               "2:fsdp=2", "--layout-for", "3:fsdp=3", "--inject", "3:join=1", "--inject", f"2:movekill={victim}",
+               "--timeout", TIMEOUT, "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
+               timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    lost = 1 if victim == 1 else 2
+    assert f"workers [{lost}] were lost while the state moved into epoch 1; trying again" in run.stderr
+    assert _changes(tmp_path / "elastic.jsonl") == changes
+    (event,) = [e for e in metrics(tmp_path / "elastic.jsonl") if e.get("event") == "membership"]
+    assert event["pause_seconds"] < STRUCTURAL_S, event
+    _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), fixed8)
+    assert not _alive(str(tmp_path))
+
+
+def test_a_second_crash_while_recovering_from_the_first_is_survived_from_the_copies(tmp_path, budget, fixed8):
+    """fsdp=4 with --redundancy 2: worker 1 is SIGKILLed inside step 3, and worker 2 as the survivors
+    start to move the state into their world (process 1 of that change). The recovery is decided
+    failed and tried again without both, every piece from a surviving copy: no step lost, the fixed
+    run's losses."""
+    run = _run(tmp_path, 8, "--elastic", "--nproc", "4", "--redundancy", "2", "--layout-for", "4:fsdp=4",
+               "--layout-for", "3:fsdp=3", "--layout-for", "2:fsdp=2", "--inject", "3:kill=1", "--inject",
+               "2:movekill=1", "--timeout", TIMEOUT, "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir",
+               str(tmp_path / "logs"), timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "workers [1, 2] were lost while the state moved into epoch 1; trying again" in run.stderr
+    assert _changes(tmp_path / "elastic.jsonl") == [("crash", 4, 2, "rollback", 0)]
+    _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), fixed8)
+    assert not _alive(str(tmp_path))

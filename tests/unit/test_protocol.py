@@ -84,3 +84,61 @@ def test_the_coordinator_takes_a_silent_stranger_for_lost_even_one_that_never_be
     store.beat(0)
     store.beat(1)
     assert crashes.silent_strangers({}, heartbeat_s=0.2) == [(3, True)]  # 3 never beat; 0 and 1 did since
+
+
+def test_a_change_is_decided_once_done_or_failed(store):
+    assert store.moved_decision(3) is None
+    assert store.vote_moved(3) == 1 and store.vote_moved(3) == 2 and store.moved_votes(3) == 2
+    assert store.decide_moved(3, False) is False
+    assert store.decide_moved(3, True) is False and store.moved_decision(3) is False  # set once
+    assert store.decide_moved(4, True) is True and store.moved_decision(4) is True
+
+
+def _crashes(store):
+    from shardshift.elastic.coordinator import _Crashes
+
+    crashes = _Crashes(store)
+    crashes.SETTLE_S = 0.0
+    return crashes
+
+
+def _died(crashes, member: int) -> bool:
+    survived = crashes._lose(member)
+    crashes.first_at -= 1.0  # settled
+    crashes.publish_if_settled()
+    return survived
+
+
+def test_a_death_is_recorded_under_the_epoch_it_breaks(store):
+    """The current world's record; then, that one written, the change its survivors make next
+    (written or not); a change under way, its own; and when the change under way and the next both
+    have one, the record waits until a newer change is written. A worker recorded once is not
+    recorded again; one in no world nor change under way is not survived."""
+    store.publish_epoch(Epoch(0, (0, 1, 2, 3), Layout(fsdp=4), 0))
+    store.set_current(0)
+    crashes = _crashes(store)
+    assert _died(crashes, 1) and store.crash(0).lost == (1,)
+    assert _died(crashes, 2) and store.crash(1).lost == (2,)  # the survivors' change into epoch 1
+    store.publish_epoch(Epoch(1, (0, 3), Layout(fsdp=2), 3, "crash"))  # it failed (2 died); ...
+    store.publish_epoch(Epoch(2, (0, 3), Layout(fsdp=2), 3, "crash"))  # ... tried again
+    assert _died(crashes, 3) and store.crash(2).lost == (3,)  # the change under way
+    assert _died(crashes, 0) and store.crash(3).lost == (0,)  # the one after it, not written yet
+    assert not store.has_crash(4)
+    assert _died(crashes, 2)  # recorded already: nothing new
+    assert not store.has_crash(4)
+    assert not _died(crashes, 9)  # in no world
+
+
+def test_a_death_waits_while_the_change_under_way_and_the_next_are_both_recorded(store):
+    store.publish_epoch(Epoch(0, (0, 1, 2), Layout(fsdp=3), 0))
+    store.set_current(0)
+    store.publish_epoch(Epoch(1, (0, 1, 2, 5), Layout(fsdp=4), 2, "join"))
+    store.publish_crash(1, CrashRecord((5,), 1.0))
+    store.publish_crash(2, CrashRecord((1,), 2.0))
+    crashes = _crashes(store)
+    assert _died(crashes, 2)
+    assert not store.has_crash(3)  # held: the change it breaks is not written yet
+    store.publish_epoch(Epoch(2, (0, 2), Layout(fsdp=2), 2, "crash"))
+    store.publish_epoch(Epoch(3, (0,), Layout(), 2, "crash"))
+    crashes.publish_if_settled()
+    assert store.crash(3).lost == (2,)

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from shardshift.comm.sever import connections, sever_connections
+from shardshift.comm.sever import connections, sever_connections, store_sockets
 
 
 def _pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -40,4 +40,28 @@ def test_every_connection_ends_but_those_kept_and_a_blocked_reader_sees_it_at_on
             assert not set(connections(keep)) & {client.fileno(), accepted.fileno()}  # no longer established
         finally:
             for s in (kept_client, kept_accepted, client, accepted):
+                s.close()
+
+
+def test_a_connection_to_the_kept_address_made_after_the_snapshot_is_severed():
+    """The watch keeps the store clients a process has when it is armed (`store_sockets`); a client
+    of the same store made later (a rendezvous's) is severed with the rest."""
+    with socket.create_server(("127.0.0.1", 0)) as store_server:
+        address = ("127.0.0.1", store_server.getsockname()[1])
+        old_client, old_accepted = _pair(store_server)
+        kept = store_sockets(address)
+        new_client, new_accepted = _pair(store_server)
+        # The store's end of the old client is in this process too (a real store's is not): keep it by
+        # its remote end.
+        keep = [old_client.getsockname()]
+        try:
+            assert len(kept) == 1
+            ours = set(connections(keep, kept))
+            assert new_client.fileno() in ours and old_client.fileno() not in ours
+            sever_connections(keep, kept)
+            assert new_client.recv(1) == b""  # ended
+            old_client.sendall(b"x")
+            assert old_accepted.recv(1) == b"x"  # still carries bytes
+        finally:
+            for s in (old_client, old_accepted, new_client, new_accepted):
                 s.close()
