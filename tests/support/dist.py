@@ -56,7 +56,10 @@ def _entry(rank: int, world_size: int, tmp: str, timeout_s: float, fn, args) -> 
 
 
 PRELOAD = ["torch", "torch.distributed", "shardshift.train.run", "shardshift.reshard.execute",
-           "shardshift.collectives.execution.backend", "support.dist", "support.training"]
+           "shardshift.collectives.execution.backend", "support.dist", "support.training",
+           # transformers' models, for the ranks of --model hf:DIR (about 3 s of CPU each, else);
+           # skipped by the fork server where transformers is not installed.
+           *(f"transformers.models.{kind}.modeling_{kind}" for kind in ("llama", "mistral", "qwen2", "qwen3"))]
 
 
 def context():
