@@ -59,10 +59,11 @@ class HFSpec(ModelSpec):
             raise ValueError(f"--model {name}: give the directory after hf:, e.g. --model hf:runs/qwen")
         config = read_config(directory, name)
         require_transformers(name)
+        directory = os.path.abspath(directory)  # the same model, and files, from any working directory
         files = weight_files(directory)
         if files:
             check_weights(config, files, f"--model {name}")
-        return cls(PREFIX + os.path.abspath(directory), config, tuple(sorted(files.items())))
+        return cls(PREFIX + directory, config, tuple(sorted(files.items())))
 
     @classmethod
     def from_config(cls, name: str, config: Mapping[str, Any]) -> HFSpec:
