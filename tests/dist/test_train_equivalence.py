@@ -6,7 +6,8 @@ numerics contract), so the only differences are the order of floating-point sums
 about 1e-16 relative per operation, far below the 1e-9 we require. The `test` GPT cuts shards
 unevenly: 13 positions over fsdp=4 (4, 4, 4, 1), 5 layers over pp=4 (2, 1, 1, 1) and pp=2 (3, 2).
 `llama-test` does too (259 vocabulary rows over fsdp=4: 65, 65, 65, 64; the same 5 layers), and
-under tp=4 each rank holds 2 query heads and the one key-value head they share.
+under tp=4 each rank holds 2 query heads and the one key-value head they share. `llama-test` with
+tied embeddings (one matrix for the embedding and the head; no pp) runs under DDP and FSDP2 with TP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from shardshift.layout import Layout, all_layouts
 from shardshift.models import model_spec
+from shardshift.models.llama.spec import LlamaSpec
 from shardshift.models.space import state_space
 from shardshift.reshard.space import holding
 from shardshift.train.config import TrainConfig
@@ -27,12 +29,13 @@ from support.training import ATOL, full_parameters
 
 STEPS = 5
 RTOL = 1e-9
-MODELS = ("test", "llama-test")  # every layout of 4 ranks, each
+MODELS = ("test", "llama-test", "llama-test-tied")
+TIED = LlamaSpec("llama-test-tied", dataclasses.replace(model_spec("llama-test").config, tie_word_embeddings=True))
 
 
 def _config(layout: Layout, steps: int = STEPS, model: str = "test") -> TrainConfig:
     return TrainConfig(
-        layout=layout, model=model_spec(model), steps=steps,
+        layout=layout, model=TIED if model == TIED.name else model_spec(model), steps=steps,
         dtype="float64", global_batch=8, micro_batches=4 if layout.pp == 4 else 0, seed=3,
     )
 
@@ -63,7 +66,7 @@ UNEVEN_4 = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
 
 
 def _four_processes(rank: int, world_size: int) -> dict:
-    return {"layouts": {model: _train_layouts(rank, world_size, LAYOUTS_4, model) for model in MODELS},
+    return {"layouts": {model: _train_layouts(rank, world_size, LAYOUTS[model], model) for model in MODELS},
             "uneven": _train_uneven(rank, world_size, UNEVEN_4)}
 
 
@@ -74,6 +77,7 @@ def single() -> dict:
 
 
 LAYOUTS_4 = [str(layout) for layout in all_layouts(4)]
+LAYOUTS = {"test": LAYOUTS_4, "llama-test": LAYOUTS_4, "llama-test-tied": ["dp=4", "fsdp=2,tp=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,7 @@ def test_all_four_rank_layouts_match_one_process(single, four, model):
     ref_losses = torch.tensor(reference["losses"], dtype=torch.float64)
     # Not vacuous: training moves the loss and the parameters.
     assert (ref_losses[0] - ref_losses[-1]).abs() > 1e-3
-    for text in LAYOUTS_4:
+    for text in LAYOUTS[model]:
         for rank, results in enumerate(per_rank):
             losses = torch.tensor(results[text]["losses"], dtype=torch.float64)
             torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0, msg=f"{text} rank {rank} losses")

@@ -245,7 +245,7 @@ def test_float64_logits_are_hugging_faces_to_1e9(case, monkeypatch):
         as_is = hf(tokens).logits
         got = ours(tokens)
     difference = ((got - as_is).abs().max() / as_is.abs().max()).item()
-    assert 1e-12 < difference < 1e-5, difference  # float32's rounding, in Hugging Face's norm and rotation
+    assert difference < 1e-5, difference  # float32's rounding in its norm and rotation (1e-7 with transformers 5.25)
     monkeypatch.setattr(modeling.LlamaRMSNorm, "forward", norm_forward)
     monkeypatch.setattr(modeling.LlamaRotaryEmbedding, "forward", rotary_forward)
     head_dim = spec.config.head_dim

@@ -25,7 +25,8 @@ same conventions as the GPT's (`models.gpt.model`):
   so a tensor-parallel rank that holds ``1/tp`` of each computes exactly its heads.
 
 The rotary module's ``inv_freq`` is a buffer no checkpoint holds (as in Hugging Face's model);
-`reset_rotary` fills it again once a model built on the meta device is materialised.
+`reset_rotary` (the spec's ``init_buffers``) fills it again once a model built on the meta device
+is materialised.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) times a gain per feature, over the last dim."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
