@@ -42,6 +42,7 @@ def join(worker: ElasticWorker, registered=lambda member: None) -> bool:
     index = worker.store.register_joiner()
     worker.member = worker.store.joiner_id(index)
     worker.store.register_process(worker.member)
+    worker.store.publish_host(worker.member)
     registered(worker.member)
     ready_at = time.monotonic()
     foreseen: list[int] = []  # the world this worker last worked out its admission into

@@ -104,6 +104,7 @@ class ElasticWorker:
         cfg = self.cfg
         cfg.layout.check_world(proc.world_size)
         epoch = Epoch(0, tuple(range(proc.world_size)), cfg.layout, 0)
+        self.store.publish_host(self.member)
         membership.init_world(self.store.store, epoch, proc.rank, self.timeout_s, "gloo")
         resume = resume_point(cfg, self.tokens, proc.rank) if (cfg.resume or cfg.save) else None
         trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
@@ -202,9 +203,14 @@ class ElasticWorker:
             return
         trainer = self.trainer
         space = state_space(trainer.cfg.model, trainer.cfg.param_dtype)
-        duties = copy_duties(space, trainer.assignment, self.ecfg.redundancy)
+        duties = copy_duties(space, trainer.assignment, self.ecfg.redundancy, self.hosts(self.epoch))
         self.copies = Copies(trainer.state, space, trainer.assignment, duties, rank, dist.group.WORLD, self.timeout_s)
         self.copies.fill()
+
+    def hosts(self, epoch: Epoch) -> list[str]:
+        """The host of each rank of `epoch`'s world (every worker publishes its own before it enters
+        a world, and never changes it: every worker reads the same)."""
+        return [self.store.host(m) for m in epoch.members]
 
     # ---- the layout policy's calibration -----------------------------------------------------------
 

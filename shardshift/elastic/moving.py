@@ -231,7 +231,8 @@ def _retry(worker: ElasticWorker, change: Change, lost: frozenset[int]) -> Chang
     old = change.old
     # The copies the old world kept (`--redundancy`): the lost workers' pieces come from them.
     space = state_space(worker.cfg.model, worker.cfg.param_dtype)
-    duties = copy_duties(space, Assignment(old.layout, tuple(range(old.world_size))), worker.ecfg.redundancy)
+    duties = copy_duties(space, Assignment(old.layout, tuple(range(old.world_size))), worker.ecfg.redundancy,
+                         worker.hosts(old))
     request = Request("crash", change.epoch.step, change.epoch.admitted, leaving=placement.leaving - lost,
                       joiners=joiners, lost=lost & set(old.members), copies=duties, observed=change.epoch.observed)
     try:

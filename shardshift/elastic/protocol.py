@@ -12,6 +12,7 @@ commit vote, and from its lookout and heartbeat threads.
 | ``spawn/started`` | joiners the coordinator started for scripted joins | coordinator | rank 0 (a scripted join waits for them) |
 | ``epoch/{e}``, ``epoch/current`` | each world's `Epoch`; the one training now | the new world's rank 0 | everyone |
 | ``pid/{host}/{pid}`` | the worker id of a process of a host | the worker | coordinator (names a crashed worker) |
+| ``host/{member}`` | the worker's host: the address it reaches the store from | the worker | every world's workers (where copies go) |
 | ``heartbeat/{member}`` | wall-clock time of the worker's last beat | the worker's heartbeat thread | coordinator |
 | ``join/ready``, ``join/ready/{i}`` | joiners ready (a counter); the i-th one's process | joiners | rank 0, lookouts |
 | ``join/admitted/{i}`` | the epoch that admitted joiner i | the new world's rank 0 | joiner i |
@@ -93,6 +94,9 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
     """A client of the coordinator's store at HOST:PORT."""
     host, _, port = address.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+HOST_ENV = "SHARDSHIFT_HOST"  # a worker's host, where its address does not tell (`JobStore.publish_host`)
 
 
 class JobStore:
@@ -214,6 +218,21 @@ class JobStore:
         """The worker id of process `pid` of this host, if it registered."""
         key = f"pid/{socket.gethostname()}/{pid}"
         return int(self.store.get(key)) if self._has(key) else None
+
+    def publish_host(self, member: int) -> None:
+        """Worker `member` runs on this host: ``$SHARDSHIFT_HOST`` if set, else the address this host
+        reaches the store from (distinct per machine, and per network namespace)."""
+        name = os.environ.get(HOST_ENV)
+        if not name:
+            host, _, port = self.address.rpartition(":")
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, int(port)))  # sends nothing: picks the route, and so the local address
+                name = probe.getsockname()[0]
+        self.store.set(f"host/{member}", name)
+
+    def host(self, member: int) -> str:
+        """Worker `member`'s host (`publish_host`), waiting for it up to the store's timeout."""
+        return self.store.get(f"host/{member}").decode()
 
     def beat(self, member: int) -> None:
         self.store.set(f"heartbeat/{member}", repr(time.time()))

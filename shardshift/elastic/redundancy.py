@@ -5,8 +5,9 @@ still has a copy among the survivors.
 **Who keeps what** (`copy_duties`, pure). A layout's replicas count: under ``dp=2`` every piece
 already has a second holder. A parameter piece with fewer than K + 1 holders gets copies on the
 workers that follow its first holder in rank order (cyclically) and do not hold it, until K + 1
-hold it (or every worker does). A copy is of a whole parameter piece: the piece, its two AdamW
-moments and its step count.
+hold it (or every worker does). When the workers' hosts are known, workers on a host that holds
+none of the piece yet come first: a lost host then takes no piece with all its holders. A copy is
+of a whole parameter piece: the piece, its two AdamW moments and its step count.
 
 **Keeping the copies current costs the gradients, not the state** (`Copies`):
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -51,13 +53,16 @@ class Duty:
     fqn: str
 
 
-def copy_duties(space: StateSpace, assignment: Assignment, k: int) -> tuple[Duty, ...]:
+def copy_duties(space: StateSpace, assignment: Assignment, k: int,
+                hosts: Sequence[str] | None = None) -> tuple[Duty, ...]:
     """The copies a world keeps so that every parameter piece has K + 1 holders (module
-    docstring), in the order both ends of every copy walk them."""
+    docstring), in the order both ends of every copy walk them. `hosts[p]`: process p's host, when
+    known."""
     if k <= 0:
         return ()
     boxes = holdings_of(space, assignment)
     world = assignment.world
+    host = (lambda p: hosts[p]) if hosts else (lambda p: p)  # unknown: every process its own host
     duties = []
     for index, tensor in enumerate(space.tensors):
         if not tensor.key.startswith("param:"):
@@ -70,13 +75,16 @@ def copy_duties(space: StateSpace, assignment: Assignment, k: int) -> tuple[Duty
                 classes.setdefault(box, []).append(process)
         for holders in classes.values():
             first, wanted = holders[0], min(k + 1, world) - len(holders)
-            for step in range(1, world):
-                if wanted <= 0:
+            taken = {host(p) for p in holders}
+            others = [(first + step) % world for step in range(1, world)]
+            for _ in range(max(wanted, 0)):
+                candidates = [p for p in others if p not in holders]
+                if not candidates:
                     break
-                candidate = (first + step) % world
-                if candidate not in holders:
-                    duties.append(Duty(first, candidate, fqn))
-                    wanted -= 1
+                chosen = next((p for p in candidates if host(p) not in taken), candidates[0])
+                duties.append(Duty(first, chosen, fqn))
+                holders = [*holders, chosen]
+                taken.add(host(chosen))
     return tuple(sorted(duties))
 
 

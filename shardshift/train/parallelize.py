@@ -152,6 +152,32 @@ def tree_options(cfg, timeout_s: float):
     return ShardShiftOptions(topology=cfg.topology, run=RunOptions(timeout_s=timeout_s))
 
 
+def reshard_after_break(model: nn.Module) -> None:
+    """Put every FSDP2 module of `model` back in its sharded form, whatever its forward or backward
+    was doing when it broke (a peer died in a collective).
+
+    FSDP2 registers a layer's gathered parameters while it runs and its sharded ones after; a
+    forward that raised leaves some layers gathered, and the root (which keeps its parameters
+    gathered from forward to backward) in its forward state, where `FSDPModule.reshard` does
+    nothing. Every reader of the state by parameter name (the optimizer's state, a switch, a
+    checkpoint) needs the sharded parameters, so each parameter group is set idle first (private
+    in PyTorch 2.13: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` and their
+    ``_training_state``; checked, to fail with a clear message if torch changes them)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+        if groups is None or any(not hasattr(group, "_training_state") for group in groups):
+            raise RuntimeError("FSDP2's state no longer has _fsdp_param_groups with a _training_state: "
+                               "shardshift.train.parallelize.reshard_after_break must follow it")
+        for group in groups:
+            group._training_state = TrainingState.IDLE
+        module.reshard()
+
+
 def forget_old_meshes() -> None:
     """Drop DTensor's caches of sharding decisions, after this process left a world's groups.
 

@@ -27,6 +27,7 @@ from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import (
     Parallel,
     build_parallel,
+    reshard_after_break,
     sum_partial_gradients,
     tree_options,
     wrap_for_training,
@@ -149,8 +150,11 @@ class Trainer:
                              step=self.progress.step + 1, group=self.group)
 
     def release_runtime(self) -> None:
-        """Drop what runs steps (the DDP wrapper, the pipeline): before the groups they use go."""
+        """Drop what runs steps (the DDP wrapper, the pipeline): before the groups they use go. The
+        parameters go back to their sharded form: FSDP2 registers the gathered ones while a layer
+        runs, and a step that broke midway (a peer died in a forward) leaves them registered."""
         self.module = self.pipeline = None
+        reshard_after_break(self.model)
 
     # ---- steps ---------------------------------------------------------------------------------
 
