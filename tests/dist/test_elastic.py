@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardshift.train.catalog import checkpoints, step_of
+from shardshift.train.catalog import checkpoints
 from support.cli import coordinator_address, run_shardshift
 from support.training import metrics, step_losses
 
@@ -413,6 +414,67 @@ def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_
     assert "worker 2 (started elsewhere) sent no heartbeat for 2 s; the others go on without it" in err
     assert (crash["from_world"], crash["to_world"], crash["recovered_from"], crash["steps_lost"]) == (3, 2, "replica", 0)
     assert _all_gone(str(tmp_path)) and _all_gone("shardshift join --coordinator")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_join_nproc_starts_workers_that_leave_on_notice_when_it_is_stopped_or_killed(tmp_path, budget, sig):
+    """`shardshift join --nproc 2` from a shell starts two workers, admitted together or one
+    boundary apart (2 -> 4 workers). A SIGTERM to it is a notice to each; a SIGKILL leaves them its
+    death signal (a SIGTERM from the kernel): either way both leave at a step boundary, their state
+    moved to the others, and the job goes on with 2 until it is stopped; nothing is left."""
+    log, events_file = tmp_path / "job.out", tmp_path / "elastic.jsonl"
+
+    def wait_for(found, what: str):
+        deadline = time.monotonic() + budget.left() / 2
+        while (value := found()) is None and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        assert value is not None, f"no {what}:\n{log.read_text()[-3000:]}"
+        return value
+
+    def events() -> list[dict]:
+        records = metrics(events_file) if events_file.exists() else []
+        return [r for r in records if r.get("event") == "membership"]
+
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "shardshift", "train", *RUN[:-4], "--steps", "100000",
+                                "--log-every", "1", "--elastic", "--nproc", "2", "--max-nproc", "4", *SHARDED,
+                                "--timeout", "60", "--metrics", str(events_file), "--log-dir", str(tmp_path / "logs")],
+                               stdout=out, stderr=subprocess.PIPE, text=True)
+    joiners = None
+    try:
+        address = wait_for(lambda: (m := re.search(r"coordinator at (\S+?:\d+):", log.read_text())) and m.group(1),
+                           "coordinator address")
+        joiners = subprocess.Popen([sys.executable, "-m", "shardshift", "join", "--coordinator", address, "--nproc",
+                                    "2", "--timeout", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
+        wait_for(lambda: next((e for e in events() if e["to_world"] == 4), None), "world of 4")
+        workers = _job_pids(f"join --coordinator {address} --timeout")
+        assert len(workers) == 2, workers  # the two it started (their command line has no --nproc)
+        joiners.send_signal(sig)
+        joiners.wait(timeout=60)
+        wait_for(lambda: next((e for e in events() if e["kind"] == "leave" and e["to_world"] == 2), None),
+                 "both leaving")
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=budget.left())
+    finally:
+        for proc in (job, joiners):
+            if proc is not None:
+                proc.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    leaves = [(e["from_world"], e["to_world"], e["steps_lost"]) for e in events() if e["kind"] == "leave"]
+    assert leaves in ([(4, 2, 0)], [(4, 3, 0), (3, 2, 0)]), leaves
+    assert joiners.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    assert _all_gone(str(tmp_path)) and _all_gone(f"join --coordinator {address}")
+    assert not [pid for pid in workers if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (one whose parent was killed may wait for a
+    reaper that never comes: it is dead all the same)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_join_without_a_job_there_says_so(budget):

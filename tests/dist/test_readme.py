@@ -30,6 +30,10 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift train --elastic --nproc 4 --max-nproc 4 --layout-for 4:fsdp=4 --layout-for 3:fsdp=3 "
     "--layout-for 2:fsdp=2 --redundancy 1 --inject 2:leave=3 --inject 4:kill=1 --inject 6:join=2 --steps 8":
         "dist/test_elastic.py::test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes",
+    "shardshift train --elastic --nproc 4 --max-nproc 8 --coordinator 10.0.0.1:29400 --redundancy 1 --save /shared/ckpt":
+        "netns/test_elastic_join.py::test_a_host_lost_with_all_its_workers_is_survived_from_copies_kept_on_the_other",
+    "shardshift join --coordinator 10.0.0.1:29400 --nproc 4 --save /shared/ckpt":
+        "netns/test_elastic_join.py::test_a_host_lost_with_all_its_workers_is_survived_from_copies_kept_on_the_other",
     "shardshift bench train --nproc 4 --layout dp=4": [*TINY, "--steps", "1", "--rounds", "1", "--warmup", "1",
                                                      "--also", "fsdp=2,tp=2", "--json"],
     "shardshift bench switch --nproc 4 --suite": "dist/test_bench_switch.py::test_small_chain_reports_every_column",

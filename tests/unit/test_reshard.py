@@ -225,6 +225,24 @@ def test_copies_are_kept_only_where_replicas_do_not_already_count():
                         copies=plan_copies(space, fsdp, lambda rank: rank))
 
 
+def test_copies_go_to_another_host_when_the_hosts_are_known():
+    """Ranks 0, 1 on host a and 2, 3 on host b (fsdp=4, --redundancy 1): every piece's copy is on the
+    other host, so losing either host leaves a holder of every piece; ranks on one host alone keep
+    the rule of the next rank."""
+    cfg = gpt(n_layer=2, n_head=2, d_model=8, seq_len=5, d_ff=12, vocab_size=11)
+    space = state_space(cfg, torch.float32)
+    world = Assignment.identity(Layout(fsdp=4))
+    hosts = ["a", "a", "b", "b"]
+    duties = copy_duties(space, world, 1, hosts)
+    assert {(d.of, d.holder) for d in duties} == {(0, 2), (1, 2), (2, 0), (3, 0)}  # first on the other host
+    assert all(hosts[d.of] != hosts[d.holder] for d in duties)
+    for lost in ([0, 1], [2, 3]):
+        survivors = [r for r in range(4) if r not in lost]
+        plan_transition(space, world, Layout(fsdp=2), members=survivors, lost=lost,
+                        copies=plan_copies(space, duties, lambda rank: rank))  # every piece has a holder
+    assert copy_duties(space, world, 1, ["a"] * 4) == copy_duties(space, world, 1)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=models, data=st.data(), scale=st.sampled_from([4, 16]))
 def test_memory_stays_within_the_budget(cfg, data, scale):
