@@ -151,6 +151,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         switch_budget=parse_size(args.switch_budget, "--switch-budget"),
         collectives=args.collectives,
         topology=args.topology,
+        topology_by_host=bool(args.elastic),
         plot=args.plot or (args.run_dir is not None and can_draw()),
     )
 
@@ -211,8 +212,6 @@ def elastic_from_args(args: argparse.Namespace, nproc: int):
 
     if args.switch is not None:
         raise ValueError("--switch does not go with --elastic: there the layout follows the world (--layout-for)")
-    if args.collectives != "gloo":
-        raise ValueError("--collectives trees does not go with --elastic yet: a new world's groups are gloo's")
     if args.coordinator is not None:
         parse_address(args.coordinator)
     injects = tuple(Inject.parse(text) for text in args.inject)
@@ -279,6 +278,13 @@ def _elastic_run(args: argparse.Namespace) -> int:
         nproc, cfg, ecfg = elastic_job(args)
         if not in_worker():
             _check_before_launch(cfg, args.log_dir)
+            if cfg.collectives == "trees":  # the first world's workers run here: this host must be named
+                from shardshift.collectives.topology.spec import hosts_topology
+                from shardshift.elastic.config import parse_address
+                from shardshift.elastic.protocol import host_of_this_process
+
+                host, port = parse_address(args.coordinator) if args.coordinator else ("127.0.0.1", 1)
+                hosts_topology(cfg.topology, [host_of_this_process(host, port)], "--topology")
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2

@@ -73,6 +73,10 @@ def check_identity(worker: ElasticWorker, poll_s: float = 0.05) -> None:
             raise ValueError(f"--save {worker.cfg.save} on this host is not the directory the job saves into (it "
                              f"lacks the job's {SAVE_MARKER}): every worker must save into one directory; give "
                              "--save a directory on a filesystem every host shares")
+    if worker.cfg.collectives == "trees":  # its host must be in the network the trees pack on
+        from shardshift.collectives.topology.spec import hosts_topology
+
+        hosts_topology(worker.cfg.topology, [store.this_host()], "--topology")
     mine = worker.identity()
     for key, what in (("shardshift", "shardshift version"), ("torch", "torch version"), ("model", "model"),
                       ("model_config", "model configuration"), ("data", "data (digest of --data)")):

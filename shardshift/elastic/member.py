@@ -30,7 +30,7 @@ from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.data import digest, load_tokens
 from shardshift.train.loop import Hook, Loop
-from shardshift.train.parallelize import forget_old_meshes
+from shardshift.train.parallelize import forget_old_meshes, tree_options
 from shardshift.train.report import Metrics, Signals, Summary
 from shardshift.train.run import resume_point
 from shardshift.train.state import TrainingState
@@ -107,7 +107,8 @@ class ElasticWorker:
         self.store.publish_host(self.member)
         membership.init_world(self.store.store, epoch, proc.rank, self.timeout_s, "gloo")
         resume = resume_point(cfg, self.tokens, proc.rank) if (cfg.resume or cfg.save) else None
-        trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s)
+        trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s,
+                          trees=self.trees(epoch))
         self.loop.metrics = Metrics(cfg.metrics, proc.rank)
         if resume is not None:
             checkpoint.load(trainer, resume)
@@ -206,6 +207,17 @@ class ElasticWorker:
         duties = copy_duties(space, trainer.assignment, self.ecfg.redundancy, self.hosts(self.epoch))
         self.copies = Copies(trainer.state, space, trainer.assignment, duties, rank, dist.group.WORLD, self.timeout_s)
         self.copies.fill()
+
+    def trees(self, epoch: Epoch):
+        """With ``--collectives trees``: the ShardShiftOptions of `epoch`'s world, packed on the part
+        of ``--topology`` its workers' hosts see (`collectives.topology.spec.hosts_topology`); else
+        None."""
+        if self.cfg.collectives != "trees":
+            return None
+        from shardshift.collectives.topology.spec import hosts_topology
+
+        topology = hosts_topology(self.cfg.topology, self.hosts(epoch), "--topology")
+        return tree_options(self.cfg, self.timeout_s, topology)
 
     def hosts(self, epoch: Epoch) -> list[str]:
         """The host of each rank of `epoch`'s world (every worker publishes its own before it enters

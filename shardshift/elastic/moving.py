@@ -162,7 +162,7 @@ def _move_once(worker: ElasticWorker, change: Change, started_at: float, detect_
         rank = change.plan.new.ranks.index(process)
         membership.init_world(rendezvous, change.epoch, rank, worker.timeout_s, "gloo")
         clock.lap("new_world")
-        new_par = build_parallel(change.epoch.layout, rank, worker.device_type)
+        new_par = build_parallel(change.epoch.layout, rank, worker.device_type, trees=worker.trees(change.epoch))
         clock.lap("meshes")
     budget = worker.cfg.switch_budget
     key = (change.placement, process, budget)

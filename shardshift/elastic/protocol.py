@@ -99,6 +99,19 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
 HOST_ENV = "SHARDSHIFT_HOST"  # a worker's host, where its address does not tell (`JobStore.publish_host`)
 
 
+def host_of_this_process(coordinator_host: str, port: int = 1) -> str:
+    """The host a worker of this process's machine is known by: ``$SHARDSHIFT_HOST`` if set, else
+    the local address it reaches the coordinator from (distinct per machine, and per network
+    namespace)."""
+    name = os.environ.get(HOST_ENV)
+    if name:
+        return name
+    family = socket.AF_INET6 if ":" in coordinator_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((coordinator_host, port or 1))  # sends nothing: picks the route, and so the local address
+        return probe.getsockname()[0]
+
+
 class JobStore:
     """Typed reads and writes of the job's store (module docstring). Every method is one or a few
     store calls; none blocks but `wait_for_admission`."""
@@ -219,16 +232,14 @@ class JobStore:
         key = f"pid/{socket.gethostname()}/{pid}"
         return int(self.store.get(key)) if self._has(key) else None
 
+    def this_host(self) -> str:
+        """This process's host (`host_of_this_process`)."""
+        host, _, port = self.address.rpartition(":")
+        return host_of_this_process(host, int(port))
+
     def publish_host(self, member: int) -> None:
-        """Worker `member` runs on this host: ``$SHARDSHIFT_HOST`` if set, else the address this host
-        reaches the store from (distinct per machine, and per network namespace)."""
-        name = os.environ.get(HOST_ENV)
-        if not name:
-            host, _, port = self.address.rpartition(":")
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, int(port)))  # sends nothing: picks the route, and so the local address
-                name = probe.getsockname()[0]
-        self.store.set(f"host/{member}", name)
+        """Worker `member` runs on this host (`this_host`)."""
+        self.store.set(f"host/{member}", self.this_host())
 
     def host(self, member: int) -> str:
         """Worker `member`'s host (`publish_host`), waiting for it up to the store's timeout."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,9 @@ class TrainConfig:
     # `shardshift` backend: a YAML file or a spec of `collectives.topology.spec`; None: "full").
     collectives: str = "gloo"
     topology: str | None = None
+    # An elastic job's: the topology file's ranks name hosts, and each world packs on the part its
+    # workers' hosts see (`collectives.topology.spec.hosts_topology`), whatever its size.
+    topology_by_host: bool = False
     plot: bool = False  # at the end, rank 0 draws the run beside its metrics (METRICS with .png)
     auto_micro_batches: bool = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -130,10 +134,16 @@ class TrainConfig:
             return
         if self.collectives != "trees":
             raise ValueError("--topology describes the network the trees are packed on: give --collectives trees too")
+        from shardshift.collectives.topology.io import load_topology
         from shardshift.collectives.topology.spec import is_probe, topology_from_spec
         from shardshift.textfile import FileError
 
-        if not is_probe(self.topology):
+        if self.topology_by_host and is_probe(self.topology):
+            raise ValueError("--topology probe measures a fixed group; under --elastic give a YAML file whose ranks "
+                             "name the hosts, or full[:RATE]")
+        if self.topology_by_host and os.path.exists(self.topology.strip()):
+            load_topology(self.topology.strip(), "--topology")  # hosts: checked as workers arrive
+        elif not is_probe(self.topology):
             try:
                 topology_from_spec(self.topology, self.layout.world_size, flag="--topology")
             except FileError:

@@ -141,15 +141,17 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks, trees=trees)
 
 
-def tree_options(cfg, timeout_s: float):
+def tree_options(cfg, timeout_s: float, topology=None):
     """The ShardShiftOptions of a run whose `cfg.collectives` is "trees" (else None): packed on
-    `cfg.topology`, every collective bounded by `timeout_s`."""
+    `topology` (a `Topology` of the world: an elastic world's, `elastic.member`), else on
+    `cfg.topology`; every collective bounded by `timeout_s`."""
     if cfg.collectives != "trees":
         return None
     from shardshift.collectives.execution.backend import ShardShiftOptions
     from shardshift.collectives.execution.runner import RunOptions
 
-    return ShardShiftOptions(topology=cfg.topology, run=RunOptions(timeout_s=timeout_s))
+    return ShardShiftOptions(topology=topology if topology is not None else cfg.topology,
+                             run=RunOptions(timeout_s=timeout_s))
 
 
 def reshard_after_break(model: nn.Module) -> None:

@@ -78,16 +78,17 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None, ranks=None, group=None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, state: TrainingState | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, state: TrainingState | None = None, trees=None):
         """`ranks`: the process at each coordinate of the layout (default: process i at the i-th).
-        `state`: go on from this state (one a change of world built) instead of the initial one."""
+        `state`: go on from this state (one a change of world built) instead of the initial one.
+        `trees`: the ShardShiftOptions of the data axes' groups (default: from `cfg`, `tree_options`)."""
         check_vocabulary(cfg.model.name, cfg.model.vocab_size)
         self.cfg = cfg
         self.rank = rank
         self.group = dist.group.WORLD if group is None else group
         self.timeout_s = timeout_s
         self.state = state or TrainingState.initial(
-            cfg, build_parallel(cfg.layout, rank, device_type, ranks, tree_options(cfg, timeout_s)))
+            cfg, build_parallel(cfg.layout, rank, device_type, ranks, trees or tree_options(cfg, timeout_s)))
         self.stream = BatchStream(
             load_tokens(cfg.data) if tokens is None else tokens,
             cfg.model.seq_len,

@@ -477,6 +477,38 @@ def _running(pid: int) -> bool:
         return False
 
 
+HOSTS_TOPOLOGY = """\
+name: two-hosts
+ranks: [a, b]
+links:
+  - {between: [a, b], bandwidth: 1 Gbit/s}
+"""
+
+
+def test_an_elastic_job_runs_its_data_axes_on_trees_packed_for_each_world(tmp_path, budget, fixed):
+    """--collectives trees under --elastic, on a topology whose ranks name hosts (every worker here
+    says it runs on host a): each world's FSDP2 collectives run on trees packed on the part of the
+    network its workers see, through a join (2 -> 3) and a leave (3 -> 2); the float64 losses equal
+    one process on gloo, and the last world counted its calls on trees. A worker on a host the
+    topology does not name is refused, naming it."""
+    topology = tmp_path / "hosts.yaml"
+    topology.write_text(HOSTS_TOPOLOGY)
+    env = {**os.environ, "SHARDSHIFT_HOST": "a"}
+    args = ["train", *RUN, "--elastic", "--nproc", "2", "--max-nproc", "3", *SHARDED, "--collectives", "trees",
+            "--topology", str(topology), "--inject", "3:join=1", "--inject", "5:leave=1"]
+    run = run_shardshift([*args, "--metrics", str(tmp_path / "elastic.jsonl")], timeout=budget.left(), env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = metrics(tmp_path / "elastic.jsonl")
+    changes = [(e["kind"], e["from_world"], e["to_world"]) for e in records if e.get("event") == "membership"]
+    assert changes == [("join", 2, 3), ("leave", 3, 2)]
+    _assert_same_losses(step_losses(tmp_path / "elastic.jsonl"), step_losses(fixed / "fixed.jsonl"))
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["tree_calls"].get("allgather", 0) > 0, summary
+    refused = run_shardshift(args, timeout=budget.left(), env={**env, "SHARDSHIFT_HOST": "c"})
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "no rank named c (a worker's host)" in refused.stderr
+
+
 def test_join_without_a_job_there_says_so(budget):
     run = run_shardshift(["join", "--coordinator", "127.0.0.1:9", "--timeout", "2"],
                          timeout=budget.left())

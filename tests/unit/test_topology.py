@@ -300,3 +300,25 @@ def test_a_group_takes_a_preset_at_its_size_and_its_part_of_a_file_of_the_whole_
         group_topology(str(path), [0, 2], 4)
     with pytest.raises(ValueError, match="has 4 ranks, but the group has 2 and the job 8"):
         group_topology(str(path), [0, 1], 8)
+
+
+def test_an_elastic_worlds_topology_comes_from_its_workers_hosts(tmp_path):
+    """`hosts_topology`: ranks on different hosts linked at their hosts' rate (the direct link, else
+    through switches), ranks of one host at the file's fastest rate; a preset is sized to the world;
+    a host the file does not name is refused, naming it."""
+    from shardshift.collectives.topology.spec import hosts_topology
+
+    path = tmp_path / "hosts.yaml"
+    path.write_text("name: lab\nranks: [a, b, c]\nswitches: [tor]\nlinks:\n"
+                    "  - {between: [a, b], bandwidth: 10 Gbit/s}\n"
+                    "  - {between: [b, tor], bandwidth: 2 Gbit/s}\n"
+                    "  - {between: [c, tor], bandwidth: 1 Gbit/s}\n")
+    world = hosts_topology(str(path), ["a", "c", "a", "b"])
+    assert world.num_ranks == 4 and world.names == ("a/0", "c/0", "a/1", "b/0")
+    rate = {(link.src, link.dst): link.capacity for link in world.links}
+    assert rate[(0, 2)] == rate[(2, 0)] == 10e9 / 8  # one host: the file's fastest rate
+    assert rate[(0, 3)] == 10e9 / 8 and rate[(3, 1)] == 1e9 / 8  # b -> tor -> c: its narrowest link
+    assert (0, 1) not in rate  # a reaches c only through b, a rank: no point-to-point route
+    assert hosts_topology("full:2Gbit/s", ["x", "y", "x"]).num_ranks == 3
+    with pytest.raises(ValueError, match=r"no rank named d, e \(a worker's host\).*a, b, c are named"):
+        hosts_topology(str(path), ["a", "e", "d"])

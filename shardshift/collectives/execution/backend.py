@@ -17,9 +17,9 @@ environment variable SHARDSHIFT_TOPOLOGY, else `full`: every rank linked to ever
 rate, which needs no measuring and packs trees that use all pairs alike. A spec is a string of
 topology/spec.py (`full`, `ring`, `dgx1v:0,1,2,3`, a YAML path) or `probe`: the group measures
 its pair bandwidths when it is created (topology/probe.py; about a second for 4 ranks), every rank then
-holds the same measured topology. A Topology object may be given directly too. A group of some
-of the job's ranks (a DeviceMesh's axis) given a file or Topology of the whole job packs on the
-part of that network its ranks see (`topology.spec.group_topology`). `tree_calls` counts the
+holds the same measured topology. A Topology object may be given instead of a spec. A group of
+some of the job's ranks (a DeviceMesh's axis) given a file or Topology of the whole job packs on
+the part of that network its ranks see (`topology.spec.group_topology`). `tree_calls` counts the
 calls each op ran on trees.
 
 How calls run: every tree collective is queued to one worker thread per group, in the order the
@@ -173,9 +173,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         # A private gloo group carries the trees' point-to-point messages (see module docstring).
         self._tree_pg = ProcessGroupGloo(PrefixStore("trees/", store), rank, size, timeout)
         spec = self._options.topology_spec()
-        if isinstance(spec, Topology):
-            topology = spec
-        elif is_probe(spec):
+        if not isinstance(spec, Topology) and is_probe(spec):
             from shardshift.collectives.topology.probe import probe_topology
 
             topology = probe_topology(self._tree_pg)

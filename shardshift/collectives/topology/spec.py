@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 
 from shardshift.collectives.topology.io import load_topology, topology_from_dict
-from shardshift.collectives.topology.model import Topology
+from shardshift.collectives.topology.model import Link, Topology, pair_rates
 from shardshift.collectives.topology.presets import dgx1v, fat_tree, full, ring
 from shardshift.units import parse_rate
 
@@ -73,6 +73,39 @@ def _named(key: str, arg: str, text: str, num_ranks: int) -> Topology:
     if key == PROBE:
         raise ValueError("'probe' is measured on a running group: call probe.probe_topology(group)")
     raise ValueError(f"no file {text!r}")
+
+
+def hosts_topology(spec: str | None, hosts: list[str], flag: str = FILE) -> Topology:
+    """The network of a world whose rank r runs on host `hosts[r]` (an elastic job's: its worlds
+    change, its hosts do not). `spec` is a preset (``full[:RATE]``, ``ring[:RATE]``, sized to the
+    world as usual; None: ``full``) or a YAML file whose ranks are named by host (as each worker
+    publishes it: the address it reaches the coordinator from, or ``$SHARDSHIFT_HOST``). From a
+    file, two ranks on different hosts are linked at the rate between their hosts (the direct link,
+    else the widest path through switches: `model.pair_rates`), and ranks of one host at the
+    file's fastest rate. ValueError names a host the file lacks."""
+    if spec is None or not os.path.exists(spec.strip()):
+        return topology_from_spec(spec or DEFAULT_SPEC, len(hosts), flag)
+    network = load_topology(spec.strip(), flag)
+    where = {name: i for i, name in enumerate(network.names[:network.num_ranks])}
+    missing = sorted({h for h in hosts if h not in where})
+    if missing:
+        raise ValueError(f"{flag} {spec}: no rank named {', '.join(missing)} (a worker's host); name every host "
+                         f"that may run workers: {', '.join(where)} are named")
+    rates = pair_rates(network)
+    local = max(link.capacity for link in network.links) if network.links else 1.0
+    links = []
+    for a, host_a in enumerate(hosts):
+        for b, host_b in enumerate(hosts):
+            rate = local if host_a == host_b else rates.get((where[host_a], where[host_b]))
+            if a != b and rate:
+                links.append(Link(a, b, rate))
+    seen: dict[str, int] = {}
+    names = []
+    for host in hosts:
+        names.append(f"{host}/{seen.get(host, 0)}")
+        seen[host] = seen.get(host, 0) + 1
+    return Topology(len(hosts), tuple(links), names=tuple(names), link_unit=network.link_unit,
+                    name=f"{network.name} ({len(hosts)} workers)")
 
 
 def group_topology(spec: str | Topology, global_ranks: list[int], world_size: int) -> Topology:
