@@ -7,7 +7,8 @@ def model_help(default: str) -> str:
     from shardshift.models.llama.config import PRESETS as LLAMA
 
     families = "; ".join(f"{family}: {', '.join(sizes)}" for family, sizes in (("a GPT", GPT), ("a Llama", LLAMA)))
-    return f"the model (docs/models.md), {families}; or hf:DIR, a Hugging Face model's directory (default {default})"
+    return (f"the model (docs/models.md), {families}; hf:DIR, a Hugging Face model's directory; or FILE.py:NAME "
+            f"(or MODULE:NAME), a ModelSpec of your own (default {default})")
 
 
 def add_device_argument(parser) -> None:

@@ -1,6 +1,7 @@
 """Models, behind one interface: `ModelSpec` (`spec`: how to build a model, its tensor-parallel plan,
 its pipeline split, its initialisation and loss), the state space derived from it (`space`), the
-Hugging Face architectures (`hf`: ``--model hf:DIR``), and the built-in models (`gpt`, `llama`).
+Hugging Face architectures (`hf`: ``--model hf:DIR``), the built-in models (`gpt`, `llama`), and
+models of the user's own (`user`: `ModuleSpec`, ``--model FILE.py:NAME`` or ``MODULE:NAME``).
 `model_spec` resolves a name as the command line gives it, `recorded_spec` a model as a checkpoint
 records it.
 
@@ -12,10 +13,10 @@ from __future__ import annotations
 from shardshift._exports import lazy_exports
 
 _NAMES = {
-    "ModelSpec": ".spec", "PipelineSplit": ".spec",
+    "ModelSpec": ".spec", "PipelineSplit": ".spec", "ModuleSpec": ".user.spec",
     "state_space": ".space",
 }  # fmt: skip
-__all__ = sorted([*_NAMES, "model_names", "model_spec", "recorded_spec"])
+__all__ = sorted([*_NAMES, "model_names", "model_spec", "names_a_model", "recorded_spec"])
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)
 
 
@@ -34,22 +35,36 @@ def _presets() -> dict:
     return {**dict.fromkeys(GPT, GPTSpec.preset), **dict.fromkeys(LLAMA, LlamaSpec.preset)}
 
 
+def names_a_model(name: str) -> bool:
+    """Whether --model `name` has the form of a model `model_spec` resolves (which may still refuse it)."""
+    from shardshift.models.user.load import is_imported_name
+
+    return name in model_names() or name.startswith("hf:") or is_imported_name(name)
+
+
 def model_spec(name: str):
-    """The model `name` (a `ModelSpec`): a built-in one, or ``hf:DIR``, the Hugging Face model whose
-    config.json (and weights, if any) DIR holds; ValueError naming --model if there is none."""
+    """The model `name` (a `ModelSpec`): a built-in one; ``hf:DIR``, the Hugging Face model whose
+    config.json (and weights, if any) DIR holds; or ``FILE.py:NAME`` / ``MODULE:NAME``, a spec of
+    the user's own (`user.load`). ValueError naming --model if there is none."""
+    from shardshift.models.user.load import imported_spec, is_imported_name
+
     if name.startswith("hf:"):  # a Hugging Face model directory
         from shardshift.models.hf.spec import HFSpec
 
         return HFSpec.from_name(name)
+    if is_imported_name(name):
+        return imported_spec(name)
     presets = _presets()
     if name not in presets:
-        raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(presets)}")
+        raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(presets)}, hf:DIR (a Hugging Face "
+                         f"directory), or FILE.py:NAME (a ModelSpec of your own, docs/models.md)")
     return presets[name](name)
 
 
 def recorded_spec(name: str, config: dict):
     """The model a checkpoint's manifest records by its --model name and configuration; an
-    ``hf:DIR`` model is built from the recorded config.json, whether DIR is still there or not."""
+    ``hf:DIR`` model is built from the recorded config.json, whether DIR is still there or not; a
+    model of the user's own from its file or module, with the recorded configuration."""
     if name.startswith("hf:"):
         from shardshift.models.hf.spec import HFSpec
 

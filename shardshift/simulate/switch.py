@@ -19,15 +19,15 @@ from shardshift.simulate.cluster import Cluster, Prediction, predict
 
 
 def model_space(model: str, dtype: str = "float32"):
-    """The state space of `model`: a built-in model (`models.model_names`) or ``hf:DIR`` through
-    its `ModelSpec`, a shipped spec (`simulate.specs`) or a config file (YAML, or a Hugging Face
-    config.json)."""
-    from shardshift.models import model_names, model_spec
+    """The state space of `model`: a model `shardshift train` takes (built in, ``hf:DIR``, or
+    ``FILE.py:NAME``) through its `ModelSpec`, a shipped spec (`simulate.specs`) or a config file
+    (YAML, or a Hugging Face config.json)."""
+    from shardshift.models import model_spec, names_a_model
     from shardshift.train.config import DTYPES, torch_dtype
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    if model in model_names() or model.startswith("hf:"):
+    if names_a_model(model):
         from shardshift.models.space import state_space
 
         return state_space(model_spec(model), torch_dtype(dtype))

@@ -12,11 +12,11 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
 
     Raises ValueError for a configuration the command line cannot express (a model or optimizer
     setting that has no flag)."""
-    from shardshift.models import model_names, model_spec
+    from shardshift.models import model_spec, names_a_model
     from shardshift.train.config import OptimConfig
 
     optim = OptimConfig(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, grad_clip=cfg.optim.grad_clip)
-    named = cfg.model.name in model_names() or cfg.model.name.startswith("hf:")  # what --model can say
+    named = names_a_model(cfg.model.name)  # what --model can say
     if cfg.optim != optim or not named or model_spec(cfg.model.name) != cfg.model:
         raise ValueError(f"the configuration has settings no flag of `shardshift train` sets: {cfg.optim}, "
                          f"{cfg.model}")
