@@ -46,6 +46,15 @@ SMOKE: dict[str, list[str] | str] = {
         "dist/test_sample.py::test_the_same_state_saved_under_three_layouts_writes_the_same_text",
     "shardshift export --resume ckpt --out qwen-trained":
         "dist/test_hf.py::test_an_exported_checkpoint_is_what_transformers_reads",
+    "shardshift train --nproc 4 --model examples/tiny_decoder.py:spec --layout fsdp=2,tp=2 --switch 10:pp=2,dp=2 "
+    "--steps 20": "dist/test_own_model.py::test_the_readme_command_trains_switches_and_saves_a_checkpoint_that_samples_anywhere",
+    "shardshift train --elastic --nproc 3 --model examples/tiny_decoder.py:spec --inject 4:leave=1 --steps 300":
+        "dist/test_own_model.py::"
+    "test_an_elastic_job_of_the_readme_model_joined_from_a_shell_computes_what_one_process_computes",
+    "shardshift join --coordinator HOST:PORT": "dist/test_own_model.py::"
+    "test_an_elastic_job_of_the_readme_model_joined_from_a_shell_computes_what_one_process_computes",
+    "shardshift simulate switch --model examples/tiny_decoder.py:spec --ranks 4 --from fsdp=2,tp=2 --to pp=2,dp=2":
+        "unit/test_module_spec.py::test_simulate_plans_the_example_through_its_spec",
     "shardshift train --nproc 4 --layout fsdp=4 --collectives trees --topology docs/topologies/hetero4x.yaml":
         "dist/test_train_trees.py::test_the_command_trains_on_trees_and_counts_their_calls",
     "shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4' --topology docs/topologies/hetero4x.yaml --emulate":
