@@ -21,6 +21,7 @@ from shardshift.models import model_spec
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
 from shardshift.train.trainer import Trainer
+from support import EXAMPLE_MODEL
 from support.dist import run_distributed
 from support.training import differences, local_state
 
@@ -46,6 +47,8 @@ PAIRS += random.Random(7).sample([(a, b) for a in _LAYOUTS for b in _LAYOUTS if 
 # key-value heads split over tp.
 CASES = [("test", "float64", before, after) for before, after in PAIRS] + [("test", "bfloat16", *PAIRS[0])]
 CASES += [("llama-test", "float64", "fsdp=2,tp=2", "pp=2,dp=2"), ("llama-test", "float64", "pp=4", "tp=4")]
+# The README's model of one's own (a plain nn.Module and its ModuleSpec, named as --model names it).
+CASES += [(EXAMPLE_MODEL, "float64", "fsdp=2,tp=2", "pp=2,dp=2")]
 
 
 def _oracle(rank: int, world_size: int, root: str, cases) -> dict:
@@ -54,7 +57,7 @@ def _oracle(rank: int, world_size: int, root: str, cases) -> dict:
         trainer = Trainer(_config(before, dtype, model=model), rank, "cpu")
         for _ in range(2):
             trainer.train_step()
-        path = checkpoint.save(trainer, f"{root}/{model}-{dtype}-{before}-to-{after}")
+        path = checkpoint.save(trainer, f"{root}/{len(out)}-{dtype}-{before}-to-{after}")
         report = trainer.switch(Layout.parse(after), budget=16 << 10)
         switched = local_state(trainer)
         reference = Trainer(_config(after, dtype, model=model), rank, "cpu", ranks=trainer.par.ranks)
@@ -84,6 +87,15 @@ def test_switch_is_bit_identical_to_dcp_save_and_load(tmp_path, budget):
         assert report.bytes_moved == report.bytes_lower_bound
         assert report.bytes_moved + report.bytes_kept == report.bytes_total
         assert report.rounds > 1  # the 16 KiB budget cuts every switch into rounds
+    # `simulate switch` plans the same switch from the same spec: the same bytes moved and kept.
+    from shardshift.simulate.cluster import Cluster
+    from shardshift.simulate.switch import model_space, simulate_switch
+
+    model, dtype, before, after = CASES[-1]
+    planned = simulate_switch(model_space(model, dtype), Layout.parse(before), Layout.parse(after),
+                              Cluster(hosts=1, name="one host")).plan
+    report = per_rank[0][CASES[-1]]["report"]
+    assert (planned.bytes_moved, planned.bytes_kept) == (report.bytes_moved, report.bytes_kept) != (0, 0)
     # Whole pieces kept were handed over (no copy) in the real model's DTensor and FSDP2 tensors,
     # and the state above is still DCP's to the bit.
     handed = {pair: per_rank[0][pair]["report"].bytes_handed_over for pair in CASES}
@@ -124,7 +136,7 @@ def _holdings_vs_dtensor(rank: int, world_size: int, model: str) -> tuple[list, 
     return wrong, strided, checked
 
 
-@pytest.mark.parametrize("model", ["test", "llama-test"])
+@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL], ids=["test", "llama-test", "example"])
 def test_holdings_follow_dtensor_placements(budget, model):
     """Every layout of 4 ranks in a non-default rank order, uneven shards (the GPT's pos_emb has 13
     rows, the Llama's vocabulary 259)."""

@@ -8,6 +8,9 @@ unevenly: 13 positions over fsdp=4 (4, 4, 4, 1), 5 layers over pp=4 (2, 1, 1, 1)
 `llama-test` does too (259 vocabulary rows over fsdp=4: 65, 65, 65, 64; the same 5 layers), and
 under tp=4 each rank holds 2 query heads and the one key-value head they share. `llama-test` with
 tied embeddings (one matrix for the embedding and the head; no pp) runs under DDP and FSDP2 with TP.
+The README's model of one's own (examples/tiny_decoder.py: a plain nn.Module and its ModuleSpec,
+named as --model names it) runs under four: FSDP2 with TP, one head per rank under tp=4, uneven
+stages under pp=4, and its 30 positions over fsdp=4 (8, 8, 8, 6).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from shardshift.models.space import state_space
 from shardshift.reshard.space import holding
 from shardshift.train.config import TrainConfig
 from shardshift.train.trainer import Trainer
+from support import EXAMPLE_MODEL
 from support.dist import run_distributed
 from support.training import ATOL, full_parameters
 
 STEPS = 5
 RTOL = 1e-9
-MODELS = ("test", "llama-test", "llama-test-tied")
+MODELS = ("test", "llama-test", "llama-test-tied", EXAMPLE_MODEL)
 TIED = LlamaSpec("llama-test-tied", dataclasses.replace(model_spec("llama-test").config, tie_word_embeddings=True))
 
 
@@ -77,7 +81,8 @@ def single() -> dict:
 
 
 LAYOUTS_4 = [str(layout) for layout in all_layouts(4)]
-LAYOUTS = {"test": LAYOUTS_4, "llama-test": LAYOUTS_4, "llama-test-tied": ["dp=4", "fsdp=2,tp=2"]}
+LAYOUTS = {"test": LAYOUTS_4, "llama-test": LAYOUTS_4, "llama-test-tied": ["dp=4", "fsdp=2,tp=2"],
+           EXAMPLE_MODEL: ["fsdp=2,tp=2", "tp=4", "pp=4", "fsdp=4"]}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ def four() -> list[dict]:
     return run_distributed(4, _four_processes)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS, ids=[*MODELS[:-1], "example"])
 def test_all_four_rank_layouts_match_one_process(single, four, model):
     reference = single["float64"][model]
     mixed = ("pp=2,fsdp=2", "dp=2,tp=2", "fsdp=2,tp=2", "dp=2,fsdp=2", "pp=2,tp=2")
