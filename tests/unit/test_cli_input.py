@@ -53,7 +53,10 @@ def _not_a_worker(monkeypatch):
         (["--topology", "ring"], "--topology describes the network the trees are packed on: give --collectives trees"),
         (["--collectives", "trees", "--topology", "/nonexistent.yaml"], "--topology: topology '/nonexistent.yaml'"),
         (["--collectives", "trees", "--topology", "dgx1v:0,1"], "--topology: .* has 2 ranks but the group has 4"),
-        (["--collectives", "trees", "--elastic", "--nproc", "2"], "--collectives trees does not go with --elastic"),
+        (["--collectives", "trees", "--topology", "probe", "--elastic", "--nproc", "2"],
+         "--topology probe measures a fixed group; under --elastic give a YAML file"),
+        (["--collectives", "trees", "--topology", "docs/topologies/hetero4x.yaml", "--elastic", "--nproc", "2"],
+         "no rank named 127.0.0.1 (a worker's host)"),
         (["--run-dir", "/dev/null"], "--run-dir /dev/null: a file is in the way"),
     ],
 )

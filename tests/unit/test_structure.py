@@ -135,3 +135,10 @@ def _is_module(name: str) -> bool:
 def test_every_package_says_what_it_offers():
     for init in itertools.chain([PACKAGE / "__init__.py"], PACKAGE.rglob("*/__init__.py")):
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def test_no_two_test_modules_share_a_name():
+    """Test folders have no __init__.py: pytest imports each test module by its file name, and a
+    second module of the same name stops the whole suite's collection."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted(name for name in set(names) if names.count(name) > 1) == []
