@@ -124,6 +124,8 @@ SIZES = "vocab_size=256, hidden_size=8, seq_len=4"
     (f"spec = ModuleSpec(module=Net, config=dict({SIZES}), layers='layers', first=('embed',), last=('head',))\n"
      "other = spec", "f.py:model", r"{tmp}/f.py defines no model \(the ModelSpecs it defines: other, spec\)"),
     ("spec = 3", "f.py:spec", r"spec is a int, not a ModelSpec; give a spec"),
+    (f"spec = Net({SIZES})", "f.py:spec", r"spec is a Net, not a ModelSpec; give a spec \(such as "
+                                         r"shardshift.models.ModuleSpec\(...\)\) or a function of no arguments"),
     ("def spec():\n    return Net", "f.py:spec", r"spec returns a type, not a ModelSpec"),
     ("", "no_such_package.models:spec", r"no module named no_such_package here; install it, put its directory on "
                                         r"PYTHONPATH, or name its file \(--model path/to/models.py:spec\)"),

@@ -16,9 +16,11 @@ and a checkpoint names it wherever it is read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -53,7 +55,7 @@ def imported_spec(name: str) -> ModelSpec:
         specs = sorted(key for key, value in vars(module).items() if isinstance(value, ModelSpec))
         defined = f"the ModelSpecs it defines: {', '.join(specs)}" if specs else "it defines no ModelSpec"
         raise ValueError(f"--model {name}: {where} defines no {attr} ({defined})")
-    spec = found() if callable(found) and not isinstance(found, (type, ModelSpec)) else found
+    spec = found() if inspect.isroutine(found) or isinstance(found, functools.partial) else found
     if not isinstance(spec, ModelSpec):
         got = f"returns a {type(spec).__name__}" if spec is not found else f"is a {type(found).__name__}"
         raise ValueError(f"--model {name}: {attr} {got}, not a ModelSpec; give a spec (such as "
