@@ -9,8 +9,8 @@ unevenly: 13 positions over fsdp=4 (4, 4, 4, 1), 5 layers over pp=4 (2, 1, 1, 1)
 under tp=4 each rank holds 2 query heads and the one key-value head they share. `llama-test` with
 tied embeddings (one matrix for the embedding and the head; no pp) runs under DDP and FSDP2 with TP.
 The README's model of one's own (examples/tiny_decoder.py: a plain nn.Module and its ModuleSpec,
-named as --model names it) runs under four: FSDP2 with TP, one head per rank under tp=4, uneven
-stages under pp=4, and its 30 positions over fsdp=4 (8, 8, 8, 6).
+named as --model names it) runs under six: FSDP2 with TP, one head per rank under tp=4, uneven
+stages under pp=4, its 30 positions over fsdp=4 (8, 8, 8, 6), DDP with pp, and HSDP.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def single() -> dict:
 
 LAYOUTS_4 = [str(layout) for layout in all_layouts(4)]
 LAYOUTS = {"test": LAYOUTS_4, "llama-test": LAYOUTS_4, "llama-test-tied": ["dp=4", "fsdp=2,tp=2"],
-           EXAMPLE_MODEL: ["fsdp=2,tp=2", "tp=4", "pp=4", "fsdp=4"]}
+           EXAMPLE_MODEL: ["fsdp=2,tp=2", "tp=4", "pp=4", "fsdp=4", "dp=2,pp=2", "dp=2,fsdp=2"]}
 
 
 @pytest.fixture(scope="module")
