@@ -297,6 +297,9 @@ def _elastic_run(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if args.memory_per_worker is None:  # resolved here, once: every worker, on any host, sees the same
         argv += ["--memory-per-worker", str(ecfg.memory_per_worker)]
+    # The model by its absolute name (a file's or a directory's path resolved): a joiner started in
+    # another directory builds the same one. The last --model given wins.
+    argv += ["--model", cfg.model.name]
     return launch_elastic(nproc, argv, ecfg, timeout_s=args.timeout, log_dir=args.log_dir)
 
 

@@ -56,7 +56,7 @@ def _not_a_worker(monkeypatch):
         (["--collectives", "trees", "--topology", "probe", "--elastic", "--nproc", "2"],
          "--topology probe measures a fixed group; under --elastic give a YAML file"),
         (["--collectives", "trees", "--topology", "docs/topologies/hetero4x.yaml", "--elastic", "--nproc", "2"],
-         "no rank named 127.0.0.1 (a worker's host)"),
+         r"no rank named 127\.0\.0\.1 \(a worker's host\)"),
         (["--run-dir", "/dev/null"], "--run-dir /dev/null: a file is in the way"),
     ],
 )
