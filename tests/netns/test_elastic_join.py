@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from shardshift.netemu.shaping import uniform_rates
+from support import REPO
 from support.cli import coordinator_address
 from support.training import metrics, step_losses
 
@@ -68,9 +69,16 @@ HOST_LOSS_STEPS = 400  # more than the test runs: it stops the job once the host
 
 def _private_tmp(argv: list[str]) -> list[str]:
     """`argv` in a mount namespace of its own with an empty /tmp: a host that shares no temporary
-    directory (nor anything written there) with the first."""
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-            'mount -t tmpfs tmpfs /tmp && exec "$@"', "sh", *argv]
+    directory (nor anything written there) with the first. What the command needs from /tmp (this
+    checkout and its Python, when they live there: a fresh clone in CI) is bound back in, from a
+    view of the old /tmp kept at /mnt (a mount of the private namespace only)."""
+    tmp = Path("/tmp")
+    needed = sorted({str(p) for p in (REPO.resolve(), Path(sys.prefix).resolve()) if tmp in p.parents})
+    script = "mount --bind /tmp /mnt && mount -t tmpfs tmpfs /tmp"
+    for path in needed:
+        script += f' && mkdir -p "{path}" && mount --bind "/mnt/{Path(path).relative_to(tmp)}" "{path}"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script + ' && exec "$@"', "sh",
+            *argv]
 
 
 class _Lines:
@@ -87,11 +95,12 @@ class _Lines:
         except ValueError:  # closed under it: the process was killed
             pass
 
-    def wait_for(self, pattern: str, deadline: float, after: int = 0, also: Path | None = None) -> int:
-        """The index of the first line from `after` on that matches `pattern`, waiting for it. `also`:
-        a log to show as well if none comes."""
+    def wait_for(self, pattern: str, deadline: float, after: int = 0, also: Path | None = None,
+                 alive=lambda: True) -> int:
+        """The index of the first line from `after` on that matches `pattern`, waiting for it while
+        `alive()`. `also`: a log to show as well if none comes."""
         regex = re.compile(pattern)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and alive():
             for i, line in enumerate(self.lines[after:], after):
                 if regex.search(line):
                     return i
@@ -127,7 +136,8 @@ def test_a_host_lost_with_all_its_workers_is_survived_from_copies_kept_on_the_ot
         with open(host1_log, "w") as log:
             joiners = net.spawn(1, _private_tmp([sys.executable, "-m", "shardshift", "join", "--coordinator", address,
                                                  "--nproc", "2", "--timeout", "120"]), stdout=log, stderr=log)
-        joined = out.wait_for(r"^join: [23] -> 4 workers", deadline, also=host1_log)  # both, at once or not
+        joined = out.wait_for(r"^join: [23] -> 4 workers", deadline, also=host1_log,  # both, at once or not
+                              alive=lambda: joiners.poll() is None)
         out.wait_for(r"^step ", deadline, after=joined + 3)  # a few steps in the world of both hosts
         host1 = subprocess.run(["ip", "netns", "pids", net.namespace(1)], capture_output=True, text=True).stdout.split()
         assert len(host1) >= 3, host1  # `join --nproc 2` and its two workers
