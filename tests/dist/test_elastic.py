@@ -368,6 +368,16 @@ def test_a_frozen_worker_is_found_by_its_missing_heartbeat_and_the_job_goes_on(t
     assert _all_gone(str(tmp_path))
 
 
+def _wait_for(found, what: str, job: subprocess.Popen, log, budget):
+    """`found()`'s first value that is not None, polled while `job` runs (up to half the test's time
+    left); the job's output `log` shows if none comes."""
+    deadline = time.monotonic() + budget.left() / 2
+    while (value := found()) is None and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    assert value is not None, f"no {what}:\n{log.read_text()[-3000:]}"
+    return value
+
+
 def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_job_goes_on(tmp_path, budget):
     """A worker this test starts itself (`shardshift join`: not the coordinator's child, so no exit
     status tells it apart) joins a dp=2 job (2 -> 3 workers, dp=3) and is SIGKILLed. Its heartbeat
@@ -376,11 +386,7 @@ def test_a_worker_started_elsewhere_that_dies_is_found_by_its_heartbeat_and_the_
     log, events_file = tmp_path / "job.out", tmp_path / "elastic.jsonl"
 
     def wait_for(found, what: str):
-        deadline = time.monotonic() + budget.left() / 2
-        while (value := found()) is None and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.05)
-        assert value is not None, f"no {what}:\n{log.read_text()[-3000:]}"
-        return value
+        return _wait_for(found, what, job, log, budget)
 
     def event(kind: str):
         records = metrics(events_file) if events_file.exists() else []
@@ -425,11 +431,7 @@ def test_join_nproc_starts_workers_that_leave_on_notice_when_it_is_stopped_or_ki
     log, events_file = tmp_path / "job.out", tmp_path / "elastic.jsonl"
 
     def wait_for(found, what: str):
-        deadline = time.monotonic() + budget.left() / 2
-        while (value := found()) is None and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.05)
-        assert value is not None, f"no {what}:\n{log.read_text()[-3000:]}"
-        return value
+        return _wait_for(found, what, job, log, budget)
 
     def events() -> list[dict]:
         records = metrics(events_file) if events_file.exists() else []
