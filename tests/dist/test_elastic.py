@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardshift.train.catalog import checkpoints
+from support import EXAMPLE_MODEL
 from support.cli import coordinator_address, run_shardshift
 from support.training import metrics, step_losses
 
@@ -43,7 +44,7 @@ def fixed_runs(tmp_path_factory):
 
     def of(model: str):
         if model not in paths:
-            path = tmp_path_factory.mktemp(f"fixed-{model}")
+            path = tmp_path_factory.mktemp("fixed-" + re.sub(r"\W", "-", Path(model).name))
             run = run_shardshift(["train", *RUN, "--model", model, "--nproc", "1", "--metrics",
                                   str(path / "fixed.jsonl"), "--save", str(path / "ckpt")], timeout=300)
             assert run.returncode == 0, run.stderr[-3000:]
@@ -91,7 +92,7 @@ def _final_state(ckpt) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("model", ["test", "llama-test"])
+@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL], ids=["test", "llama-test", "own-module"])
 def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed_runs, model):
     """4 workers (fsdp=4, --redundancy 1: each worker's pieces also kept by the next); after step 2
     worker 3 gets SIGTERM and leaves (4 -> 3, fsdp=3); inside step 4 rank 1 is SIGKILLed before
@@ -99,7 +100,8 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     step 6 two workers the coordinator started join (2 -> 4). The global batch of 6 splits
     unevenly among 4 workers. Losses and the final parameters and AdamW state equal the fixed
     run's (one process: by the numerics contract, what any fixed world computes), and no step is lost, for
-    the `test` GPT and `llama-test`. (Recovery from a layout's replicas: the next test.)"""
+    the `test` GPT, `llama-test` and the README's own module. (Recovery from a layout's replicas: the
+    next test.)"""
     fixed = fixed_runs(model)
     run = _train(tmp_path, "--model", model, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1",
                  *SHARDED, "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
