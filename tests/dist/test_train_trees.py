@@ -15,6 +15,7 @@ from shardshift.models import model_spec
 from shardshift.train.config import TrainConfig
 from shardshift.train.report import tree_calls
 from shardshift.train.trainer import Trainer
+from support import EXAMPLE_MODEL
 from support.cli import run_shardshift
 from support.dist import run_distributed
 from support.training import full_parameters
@@ -48,17 +49,20 @@ def _train(rank: int, world_size: int) -> dict:
     trainer.switch(trainer.prepare_switch(Layout(fsdp=4)))
     losses.append(trainer.train_step().loss)
     out["switch", "trees"] = {"losses": losses, "params": full_parameters(trainer), "calls": tree_calls(trainer)}
-    # The Llama under HSDP: its gradients all-reduced across replicas and reduce-scattered within them.
-    for collectives in ("gloo", "trees"):
-        trainer = Trainer(_config("dp=2,fsdp=2", collectives, model="llama-test"), rank, "cpu")
-        losses = [trainer.train_step().loss for _ in range(STEPS)]
-        out["llama", collectives] = {"losses": losses, "params": full_parameters(trainer), "calls": tree_calls(trainer)}
+    # The Llama and the README's own module under HSDP: gradients all-reduced across replicas and
+    # reduce-scattered within them.
+    for kind, model in (("llama", "llama-test"), ("own", EXAMPLE_MODEL)):
+        for collectives in ("gloo", "trees"):
+            trainer = Trainer(_config("dp=2,fsdp=2", collectives, model=model), rank, "cpu")
+            losses = [trainer.train_step().loss for _ in range(STEPS)]
+            out[kind, collectives] = {"losses": losses, "params": full_parameters(trainer), "calls": tree_calls(trainer)}
     return out
 
 
 def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
     results = run_distributed(4, _train)
-    for layout, same in [*((layout, layout) for layout in LAYOUTS), ("switch", "dp=4"), ("llama", "llama")]:
+    for layout, same in [*((layout, layout) for layout in LAYOUTS), ("switch", "dp=4"), ("llama", "llama"),
+                         ("own", "own")]:
         gloo, trees = results[0][same, "gloo"], results[0][layout, "trees"]
         torch.testing.assert_close(torch.tensor(trees["losses"]), torch.tensor(gloo["losses"]), rtol=RTOL, atol=0)
         for name, value in gloo["params"].items():
@@ -69,6 +73,7 @@ def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
     for layout, ops in [("dp=4", {"allreduce"}), ("fsdp=4", {"allgather", "reducescatter"}),
                         ("dp=2,fsdp=2", {"allgather", "reducescatter", "allreduce"}),
                         ("llama", {"allgather", "reducescatter", "allreduce"}),
+                        ("own", {"allgather", "reducescatter", "allreduce"}),
                         ("switch", {"allgather", "reducescatter"})]:  # the fsdp=4 groups after the switch
         for rank, result in enumerate(results):
             calls = result[layout, "trees"]["calls"]
