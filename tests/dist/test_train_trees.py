@@ -18,6 +18,7 @@ from shardshift.train.trainer import Trainer
 from support import EXAMPLE_MODEL
 from support.cli import run_shardshift
 from support.dist import run_distributed
+from support.hf import save_hf_model
 from support.training import full_parameters
 
 pytestmark = pytest.mark.multiproc
@@ -34,7 +35,7 @@ def _config(layout: str, collectives: str, model: str = "test") -> TrainConfig:
                        topology=HETERO4 if collectives == "trees" else None)
 
 
-def _train(rank: int, world_size: int) -> dict:
+def _train(rank: int, world_size: int, qwen2: str) -> dict:
     out = {}
     for layout in LAYOUTS:
         for collectives in ("gloo", "trees"):
@@ -49,9 +50,9 @@ def _train(rank: int, world_size: int) -> dict:
     trainer.switch(trainer.prepare_switch(Layout(fsdp=4)))
     losses.append(trainer.train_step().loss)
     out["switch", "trees"] = {"losses": losses, "params": full_parameters(trainer), "calls": tree_calls(trainer)}
-    # The Llama and the README's own module under HSDP: gradients all-reduced across replicas and
-    # reduce-scattered within them.
-    for kind, model in (("llama", "llama-test"), ("own", EXAMPLE_MODEL)):
+    # The Llama, the README's own module and a Qwen2-style Hugging Face model (transformers' modules)
+    # under HSDP: gradients all-reduced across replicas and reduce-scattered within them.
+    for kind, model in (("llama", "llama-test"), ("own", EXAMPLE_MODEL), ("qwen2", qwen2)):
         for collectives in ("gloo", "trees"):
             trainer = Trainer(_config("dp=2,fsdp=2", collectives, model=model), rank, "cpu")
             losses = [trainer.train_step().loss for _ in range(STEPS)]
@@ -59,10 +60,10 @@ def _train(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
-    results = run_distributed(4, _train)
+def test_trees_train_as_gloo_does_in_every_data_parallel_layout(tmp_path):
+    results = run_distributed(4, _train, save_hf_model("qwen2", tmp_path / "qwen2", weights=False))
     for layout, same in [*((layout, layout) for layout in LAYOUTS), ("switch", "dp=4"), ("llama", "llama"),
-                         ("own", "own")]:
+                         ("own", "own"), ("qwen2", "qwen2")]:
         gloo, trees = results[0][same, "gloo"], results[0][layout, "trees"]
         torch.testing.assert_close(torch.tensor(trees["losses"]), torch.tensor(gloo["losses"]), rtol=RTOL, atol=0)
         for name, value in gloo["params"].items():
@@ -74,6 +75,7 @@ def test_trees_train_as_gloo_does_in_every_data_parallel_layout():
                         ("dp=2,fsdp=2", {"allgather", "reducescatter", "allreduce"}),
                         ("llama", {"allgather", "reducescatter", "allreduce"}),
                         ("own", {"allgather", "reducescatter", "allreduce"}),
+                        ("qwen2", {"allgather", "reducescatter", "allreduce"}),
                         ("switch", {"allgather", "reducescatter"})]:  # the fsdp=4 groups after the switch
         for rank, result in enumerate(results):
             calls = result[layout, "trees"]["calls"]
