@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardshift.models import recorded_spec
 from shardshift.models.spec import ModelSpec
-from shardshift.train.catalog import Manifest, choose
+from shardshift.train.catalog import Manifest
 from shardshift.train.config import torch_dtype
+from shardshift.train.sample import recorded_model
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -68,13 +68,8 @@ def export(where: str, out: str) -> Export:
         raise ValueError(f"--out {out}: exists already; give a new directory (export never writes into one)")
     if not target.parent.is_dir():
         raise ValueError(f"--out {out}: no directory {target.parent}; create it or give another path")
-    choice = choose(where, run=None)
+    choice, spec = recorded_model(where)
     manifest = choice.manifest
-    try:
-        spec = recorded_spec(manifest.run.model, manifest.run.model_config)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"--resume {choice.path}: its model {manifest.run.model!r} cannot be built from its manifest "
-                         f"({err})") from None
     config = spec.hf_config()
     if config is None:
         raise ValueError(f"--resume {choice.path}: its model {manifest.run.model!r} has no Hugging Face form; export "

@@ -37,16 +37,23 @@ class Sample:
     text: str  # what the model wrote after the prompt
 
 
+def recorded_model(where: str, hint: str = ""):
+    """The newest intact checkpoint in `where` (of any run, `catalog.choose`) and the spec of its
+    model, built from its manifest alone; ValueError naming --resume (then `hint`) when it cannot be."""
+    choice = choose(where, run=None)
+    run = choice.manifest.run
+    try:
+        return choice, recorded_spec(run.model, run.model_config)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--resume {choice.path}: its model {run.model!r} cannot be built from its manifest "
+                         f"({err}){hint}") from None
+
+
 def load_model(where: str) -> tuple[nn.Module, ModelSpec, Path, Manifest]:
     """The model of the newest intact checkpoint in `where` (of any run), on the CPU, in eval mode,
     and its spec; ValueError naming --resume when there is none."""
-    choice = choose(where, run=None)
+    choice, spec = recorded_model(where, "; sample it from Python with its ModelSpec")
     manifest = choice.manifest
-    try:
-        spec = recorded_spec(manifest.run.model, manifest.run.model_config)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"--resume {choice.path}: its model {manifest.run.model!r} cannot be built from its manifest "
-                         f"({err}); sample it from Python with its ModelSpec") from None
     dtype = torch_dtype("float32" if manifest.run.dtype == "bfloat16" else manifest.run.dtype)
     model = spec.build().to(dtype)
     spec.init_buffers(model)  # in the model's dtype, as training filled them
