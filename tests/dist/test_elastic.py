@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from shardshift.train.catalog import checkpoints
 from support import EXAMPLE_MODEL
 from support.cli import coordinator_address, run_shardshift
+from support.hf import save_hf_model
 from support.training import metrics, step_losses
 
 STEPS = 8
@@ -92,16 +93,27 @@ def _final_state(ckpt) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL], ids=["test", "llama-test", "own-module"])
-def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed_runs, model):
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory) -> str:
+    """--model for a Qwen2 directory saved by transformers (grouped-query attention, 5 layers)."""
+    pytest.importorskip("transformers")
+    return save_hf_model("qwen2", tmp_path_factory.mktemp("hf") / "qwen2")
+
+
+@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL, "qwen2"],
+                         ids=["test", "llama-test", "own-module", "hf-qwen2"])
+def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed_runs, model,
+                                                                             request):
     """4 workers (fsdp=4, --redundancy 1: each worker's pieces also kept by the next); after step 2
     worker 3 gets SIGTERM and leaves (4 -> 3, fsdp=3); inside step 4 rank 1 is SIGKILLed before
     the step is committed (3 -> 2, its pieces from the copies rank 2 kept, step 4 run again); after
     step 6 two workers the coordinator started join (2 -> 4). The global batch of 6 splits
     unevenly among 4 workers. Losses and the final parameters and AdamW state equal the fixed
     run's (one process: by the numerics contract, what any fixed world computes), and no step is lost, for
-    the `test` GPT, `llama-test` and the README's own module. (Recovery from a layout's replicas: the
-    next test.)"""
+    the `test` GPT, `llama-test`, the README's own module and a Qwen2 model run by transformers'
+    modules (`hf:DIR`, its saved weights). (Recovery from a layout's replicas: the next test.)"""
+    if model == "qwen2":
+        model = request.getfixturevalue("qwen2")
     fixed = fixed_runs(model)
     run = _train(tmp_path, "--model", model, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1",
                  *SHARDED, "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
@@ -132,8 +144,12 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     elastic, reference = _final_state(tmp_path / "elastic"), _final_state(fixed / "ckpt")
     tensors = [k for k in reference if k.startswith(("param:", "exp_avg"))]
     assert tensors and set(elastic) == set(reference)
+    # transformers' RMSNorm and rotary angles run in float32 in a float64 model: a sum taken in another
+    # order can round one of their outputs the other way, which eight AdamW steps carry into the state
+    # at float32's relative precision (the losses above still agree to 1e-9).
+    rtol, atol = (1e-6, 1e-8) if model.startswith("hf:") else (RTOL, 1e-12)
     for key in tensors:
-        torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
+        torch.testing.assert_close(elastic[key], reference[key], rtol=rtol, atol=atol, msg=key)
     assert torch.equal(elastic["progress:train"], reference["progress:train"])
 
 
