@@ -23,6 +23,7 @@ _COMMANDS = (
     ("bench", "shardshift.cli.bench"),  # benchmarks that print ratios measured side by side in one run
     ("plot", "shardshift.cli.plot"),  # pictures of training runs from their --metrics files
     ("simulate", "shardshift.cli.simulate"),  # switches of large models over many ranks, planned and timed
+    ("data", "shardshift.cli.data"),  # text and JSON lines tokenized into token shards
 )
 
 
