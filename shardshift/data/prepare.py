@@ -38,6 +38,7 @@ TEXT = "a UTF-8 text file"
 LINES = "a JSON lines file (one JSON object per line)"
 SUFFIXES = (".txt", ".gz", ".jsonl", ".json")  # the files a folder's documents are read from
 DEFAULT_SHARD_TOKENS = 1 << 28
+_JSON = json.JSONDecoder()
 BATCH_CHARS = 1 << 22  # documents are tokenized in batches of about this many characters
 # Leading bytes of compressed formats, which would otherwise be read as (undecodable) text.
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
@@ -123,18 +124,17 @@ def _write(partial: Path, sources: list[Source], model: Tokenizer, field: str, v
     """Tokenize every document into `partial`'s shards; write the tokenizer and, last, the manifest."""
     dtype = dtype_for(model.vocab_size).newbyteorder("<")
     writers = {name: _ShardWriter(partial, name, shard_tokens, dtype) for name in ("train", "val")}
-    eod = np.array([model.eod], dtype=dtype)
     meter.phase("tokenizing")
     index = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
         pending = None
         for batch in _batches(read_documents(sources, field, meter.advance)):
-            encoded = pool.submit(model.encode_arrays, batch)
+            encoded = pool.submit(_encode, model, batch, dtype)
             if pending is not None:
-                index = _append(writers, pending.result(), index, val_fraction, eod, model.vocab_size)
+                index = _append(writers, *pending.result(), index, val_fraction)
             pending = encoded
         if pending is not None:
-            index = _append(writers, pending.result(), index, val_fraction, eod, model.vocab_size)
+            index = _append(writers, *pending.result(), index, val_fraction)
     splits = {name: writer.finish() for name, writer in writers.items()}
     if val_fraction > 0 and splits["val"].documents == 0:
         raise ValueError(f"--val-fraction {val_fraction} holds out no document of the {index}: a split holds out "
@@ -149,19 +149,34 @@ def _write(partial: Path, sources: list[Source], model: Tokenizer, field: str, v
     return manifest
 
 
-def _append(writers: dict[str, _ShardWriter], arrays: list[np.ndarray], index: int, val_fraction: float,
-            eod: np.ndarray, vocab_size: int) -> int:
-    """Write documents `index`, `index + 1`, ... (their ids `arrays`) each followed by `eod`, to
-    their splits; the index of the next document."""
-    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    for offset, ids in enumerate(arrays):
-        parts["val" if held_out(index + offset, val_fraction) else "train"] += [ids, eod]
-    for name, pieces in parts.items():
-        if pieces:
-            tokens = np.concatenate(pieces, dtype=eod.dtype, casting="unsafe")
-            assert not any(a.size and (a.min() < 0 or a.max() >= vocab_size) for a in pieces), "id out of range"
-            writers[name].write(tokens, documents=len(pieces) // 2)
-    return index + len(arrays)
+def _encode(model: Tokenizer, documents: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The stream of `documents`, each followed by the end-of-document id, and each document's
+    length in it (its end-of-document id included)."""
+    arrays = model.encode_arrays(documents)
+    lengths = np.fromiter((len(a) + 1 for a in arrays), dtype=np.int64, count=len(arrays))
+    ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    assert ids.size == 0 or (ids.min() >= 0 and ids.max() < model.vocab_size), "an id outside the vocabulary"
+    stream = np.empty(ids.size + len(arrays), dtype=dtype)
+    ends = np.cumsum(lengths) - 1
+    text = np.ones(stream.size, dtype=bool)
+    text[ends] = False
+    stream[text] = ids
+    stream[ends] = model.eod
+    return stream, lengths
+
+
+def _append(writers: dict[str, _ShardWriter], stream: np.ndarray, lengths: np.ndarray, index: int,
+            val_fraction: float) -> int:
+    """Write documents `index`, `index + 1`, ... (`stream`, of documents of `lengths`) to their
+    splits; the index of the next document."""
+    val = held_out_mask(index, len(lengths), val_fraction)
+    if not val.any():
+        writers["train"].write(stream, len(lengths))
+    else:
+        in_val = np.repeat(val, lengths)
+        writers["train"].write(stream[~in_val], int((~val).sum()))
+        writers["val"].write(stream[in_val], int(val.sum()))
+    return index + len(lengths)
 
 
 @lru_cache(maxsize=None)
@@ -178,6 +193,17 @@ def held_out(index: int, fraction: float) -> bool:
     ...), the first N documents hold out floor(N * fraction) of them, and document 0 is never one."""
     p, q = _ratio(fraction)
     return (index + 1) * p // q > index * p // q
+
+
+def held_out_mask(start: int, count: int, fraction: float) -> np.ndarray:
+    """`held_out` of documents `start` .. `start + count - 1`, as a boolean array."""
+    p, q = _ratio(fraction)
+    if p == 0:
+        return np.zeros(count, dtype=bool)
+    if (start + count + 1) * p < 1 << 62:  # int64 holds every product
+        index = np.arange(start, start + count, dtype=np.int64)
+        return (index + 1) * p // q > index * p // q
+    return np.fromiter((held_out(i, fraction) for i in range(start, start + count)), dtype=bool, count=count)
 
 
 def _at_least(fraction: float) -> int:
@@ -318,8 +344,8 @@ def _json_lines(source: Source, field: str, advance: Callable[[int], None] | Non
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if source.gzipped else raw
         try:
             for number, line in enumerate(stream, 1):
-                if line.strip():
-                    yield _document(line, number, source.path, field)
+                if stripped := line.strip():
+                    yield _document(stripped, number, source.path, field, len(line) - len(line.lstrip()))
                     documents += 1
                 if advance is not None and number % 256 == 0:
                     now = raw.tell()
@@ -336,17 +362,20 @@ def _json_lines(source: Source, field: str, advance: Callable[[int], None] | Non
         raise FileError(FLAG, source.path, "holds no JSON line, only blank ones", f"give {LINES}, or leave it out")
 
 
-def _document(line: bytes, number: int, path: Path, field: str) -> str:
-    """The text of `field` of JSON line `number`; `FileError` naming the file and the line."""
+def _document(line: bytes, number: int, path: Path, field: str, indent: int = 0) -> str:
+    """The text of `field` of JSON line `number` (stripped of `indent` leading and any trailing
+    white space); `FileError` naming the file and the line."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:
         raise FileError(FLAG, path, f"line {number} is not UTF-8 text (byte {err.start} of the line is "
                                     f"{line[err.start]:#04x})", f"give {LINES} in UTF-8") from None
     try:
-        record = json.loads(text)
+        record, end = _JSON.raw_decode(text)  # json.loads less its checks and white space skipping: 3x faster
+        if end != len(text):  # the line is stripped: what follows is more than white space
+            raise json.JSONDecodeError("Extra data", text, len(text) - len(text[end:].lstrip()))
     except json.JSONDecodeError as err:
-        raise FileError(FLAG, path, f"line {number} is not JSON ({err.msg} at column {err.colno})",
+        raise FileError(FLAG, path, f"line {number} is not JSON ({err.msg} at column {err.colno + indent})",
                         f"give {LINES}") from None
     if not isinstance(record, dict):
         raise FileError(FLAG, path, f"line {number} is a JSON {_json_type(record)}, not an object", f"give {LINES}")

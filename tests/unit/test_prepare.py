@@ -224,7 +224,8 @@ def _refusal_cases(tmp_path):
     (t / "nul.txt").write_bytes(b"a\x00b")
     (t / "broken.gz").write_bytes(b"\x1f\x8b\x08\x00 not gzip at all")
     (t / "packed.txt").write_bytes(gzip.compress(b"text"))
-    (t / "bad.jsonl").write_text('{"text": "ok"}\n{"text": "ok",}\n')
+    (t / "bad.jsonl").write_text('{"text": "ok"}\n  {"text": "ok",}\n')
+    (t / "extra.jsonl").write_text('{"text": "ok"} {"text": "ok"}\n')
     (t / "nofield.jsonl").write_text('{"text": "ok"}\n\n{"body": "no text", "id": 1}\n')
     (t / "number.jsonl").write_text('{"text": 3}\n')
     (t / "list.jsonl").write_text('["text"]\n')
@@ -251,7 +252,9 @@ def _refusal_cases(tmp_path):
         (["--input", str(t / "packed.txt"), *bytes_, *out], r"packed.txt: the file is gzip-compressed; decompress "
                                                             r"it, or name it .gz"),
         (["--input", str(t / "bad.jsonl"), *bytes_, *out], r"bad.jsonl: line 2 is not JSON \(Expecting property "
-                                                           r"name enclosed in double quotes at column 15\)"),
+                                                           r"name enclosed in double quotes at column 17\)"),
+        (["--input", str(t / "extra.jsonl"), *bytes_, *out], r"extra.jsonl: line 1 is not JSON \(Extra data at "
+                                                             r"column 16\); give a JSON lines file"),
         (["--input", str(t / "bad.jsonl"), "--tokenizer", "bpe:300", *out], r"bad.jsonl: line 2 is not JSON"),
         (["--input", str(t / "nofield.jsonl"), *bytes_, *out],
          r"--input \S+nofield.jsonl: line 3 has no field 'text' \(its fields: body, id\); name the field that "
@@ -291,4 +294,4 @@ def test_every_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, cap
         assert re.fullmatch(rf"shardshift: error: .*{needle}.*\n", captured.err), (args, captured.err)
         assert captured.err.count("\n") == 1, captured.err
         assert _nothing_written(tmp_path), args
-    assert len(cases) == 28
+    assert len(cases) == 29
