@@ -36,6 +36,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help=model_help("tiny"))
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all data ranks")
     p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per data rank under pp (default 2*pp)")
+    p.add_argument("--micro-batch-size", type=int, default=0, metavar="M",
+                   help="at most M sequences in one forward: a rank runs its share of the global batch in as many "
+                        "micro-batches as it needs (gradient accumulation; under pp, the pipeline's micro-batches); "
+                        "the global batch and the loss stay the same (default: a rank's whole share at once)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="every K steps and at the last, the loss on the held-out split of a prepared --data "
+                        "(`shardshift data prepare --val-fraction`), in the metrics and the progress line")
+    p.add_argument("--eval-batches", type=int, default=4, metavar="B",
+                   help="global batches of the held-out split each evaluation reads (default 4)")
     p.add_argument("--data", default=None, help="text file to train on (default: the shipped Shakespeare corpus)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
@@ -139,6 +148,9 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         dtype=args.dtype,
         global_batch=args.global_batch,
         micro_batches=args.micro_batches,
+        micro_batch_size=args.micro_batch_size,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
         optim=optim,
         data=args.data,
         save=args.save or (str(Path(args.run_dir) / "checkpoints") if args.run_dir else None),

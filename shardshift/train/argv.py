@@ -27,6 +27,10 @@ def train_argv(cfg, *, nproc: int, timeout_s: float) -> list[str]:
             "--switch-budget", str(cfg.switch_budget), "--timeout", repr(timeout_s)]
     if not cfg.auto_micro_batches:
         argv += ["--micro-batches", str(cfg.micro_batches)]
+    if cfg.micro_batch_size:
+        argv += ["--micro-batch-size", str(cfg.micro_batch_size)]
+    if cfg.eval_every:
+        argv += ["--eval-every", str(cfg.eval_every), "--eval-batches", str(cfg.eval_batches)]
     for flag, value in (("--data", cfg.data), ("--save", cfg.save), ("--resume", cfg.resume),
                         ("--metrics", cfg.metrics)):
         if value is not None:

@@ -70,6 +70,12 @@ class TrainConfig:
     dtype: str = "float32"
     global_batch: int = 16  # sequences per optimizer step, summed over data-parallel ranks
     micro_batches: int = 0  # per data rank, under pp; 0 means 2 * pp (for every layout switched to)
+    # At most this many sequences in one forward (0: a rank's whole share of the batch): a rank runs
+    # its share in as many micro-batches as it needs and sums their gradients (under pp, they are
+    # the pipeline's micro-batches). The global batch and the loss do not change.
+    micro_batch_size: int = 0
+    eval_every: int = 0  # held-out loss every K steps (and at the last); 0: never
+    eval_batches: int = 4  # global batches of the held-out split each evaluation reads
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: str | None = None  # text file; None means the shipped corpus
     save: str | None = None  # checkpoint directory
@@ -117,9 +123,17 @@ class TrainConfig:
             raise ValueError("--resume auto resumes from --save's directory: give --save DIR too")
         if self.micro_batches < 0:
             raise ValueError(f"--micro-batches {self.micro_batches} must be >= 1")
+        if self.micro_batch_size < 0:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size} must be >= 1 (0: a rank's whole share)")
+        if self.micro_batch_size and self.micro_batches:
+            raise ValueError("--micro-batches and --micro-batch-size both set the pipeline's micro-batches; give one")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every {self.eval_every} must be >= 0 (0: no held-out loss)")
+        if self.eval_batches < 1:
+            raise ValueError(f"--eval-batches {self.eval_batches} must be >= 1")
         object.__setattr__(self, "auto_micro_batches", self.micro_batches == 0)
         if self.micro_batches == 0:
-            object.__setattr__(self, "micro_batches", 2 * self.layout.pp if self.layout.pp > 1 else 1)
+            object.__setattr__(self, "micro_batches", self._pipeline_micro_batches())
         self.model.check_layout(self.layout)
         self.check_batch(self.layout)
         self._check_collectives()
@@ -181,6 +195,27 @@ class TrainConfig:
         """The directory (or checkpoint) a resume looks in: `resume`, or `save` for "auto"."""
         return self.save if self.resume == "auto" else self.resume
 
+    def _pipeline_micro_batches(self) -> int:
+        """Micro-batches per data rank under pp when --micro-batches is not given: as many as
+        --micro-batch-size asks for (of the largest local batch), else 2 * pp; 1 without pp."""
+        layout = self.layout
+        if layout.pp == 1:
+            return 1
+        if self.micro_batch_size:
+            return -(-data_slice(self.global_batch, layout.data_parallel, 0)[1] // self.micro_batch_size)
+        return 2 * layout.pp
+
+    def micro_slices(self, count: int) -> list[int]:
+        """How a local batch of `count` sequences is run outside pp: the sizes of its micro-batches,
+        at most --micro-batch-size each, the longer first. Every data rank runs as many as the
+        largest local batch needs (FSDP2 gathers and reduces once per micro-batch on each of
+        them), so where the batch splits unevenly a shorter one may end in an empty micro-batch."""
+        if not self.micro_batch_size:
+            return [count]
+        largest = data_slice(self.global_batch, self.layout.data_parallel, 0)[1]
+        n = -(-largest // self.micro_batch_size)
+        return [data_slice(count, n, i)[1] for i in range(n)]
+
     def with_layout(self, layout: Layout) -> "TrainConfig":
         """This configuration under another layout; ValueError if the model or batch cannot take it."""
         micro = 0 if self.auto_micro_batches else self.micro_batches
@@ -197,12 +232,25 @@ class TrainConfig:
             )
         if layout.pp > 1:
             counts = sorted({data_slice(self.global_batch, d, r)[1] for r in range(d)})
+            if self.micro_batch_size and any(count % self.micro_batches for count in counts):
+                raise ValueError(
+                    f"under pp={layout.pp} the local batches of {' and '.join(map(str, counts))} sequences (global "
+                    f"batch {self.global_batch} among {d} data rank{'s' if d > 1 else ''}) do not split into equal "
+                    f"micro-batches of at most --micro-batch-size {self.micro_batch_size}; choose a micro-batch "
+                    f"size dividing them"
+                )
             if any(count % self.micro_batches for count in counts):
                 raise ValueError(
                     f"the local batches of {' and '.join(map(str, counts))} sequences (global batch "
                     f"{self.global_batch} among {d} data rank{'s' if d > 1 else ''}) do not split into --micro-batches "
                     f"{self.micro_batches}; choose micro-batches dividing them, or a global batch that "
                     f"is a multiple of {d * self.micro_batches}"
+                )
+            if self.micro_batches < layout.pp and self.micro_batch_size:
+                raise ValueError(
+                    f"--micro-batch-size {self.micro_batch_size} cuts the local batch of {counts[-1]} sequences into "
+                    f"{self.micro_batches} micro-batches, fewer than pp={layout.pp} stages (1F1B needs one per "
+                    f"stage); choose a micro-batch size of at most {counts[-1] // layout.pp}"
                 )
             if self.micro_batches < layout.pp:
                 raise ValueError(

@@ -9,6 +9,7 @@ lost and the trainer refusing to go on, saying why (resume from a checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -189,12 +190,30 @@ class Trainer:
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Local mean loss on the last stage (None elsewhere); gradients, of the loss weighted by
-        this rank's share of the batch (`_loss_weight`), left in `.grad`."""
+        this rank's share of the batch (`_loss_weight`), left in `.grad`.
+
+        Outside pp the local batch runs in micro-batches of at most --micro-batch-size
+        (`TrainConfig.micro_slices`), each one's mean loss weighted by its share of the local batch,
+        so that the summed gradients are those of the local mean. DDP reduces once, after the last
+        (`no_sync` before it); FSDP2 reduce-scatters each micro-batch's gradients into the sharded
+        ones it accumulates (unsharded gradients of the whole model are never held). An empty
+        micro-batch (`micro_slices`) runs one sequence whose loss is weighted 0."""
         weight = self._loss_weight()
         if self.pipeline is None:
-            loss = self.cfg.model.loss(self.module(inputs), targets)
-            (loss if weight == 1.0 else loss * weight).backward()
-            return loss.detach()
+            count, sizes = len(inputs), self.cfg.micro_slices(len(inputs))
+            ddp = isinstance(self.module, nn.parallel.DistributedDataParallel)
+            total = None
+            for i, (x, y) in enumerate(zip(inputs.split(sizes), targets.split(sizes))):
+                share = weight * len(x) / count
+                if len(x) == 0:  # run one sequence at weight 0: the others' collectives need this rank
+                    x, y = inputs[:1], targets[:1]
+                with self.module.no_sync() if ddp and i < len(sizes) - 1 else contextlib.nullcontext():
+                    loss = self.cfg.model.loss(self.module(x), y)
+                    (loss if share == 1.0 else loss * share).backward()
+                if share:
+                    part = loss.detach() if len(sizes) == 1 else loss.detach() * (len(x) / count)
+                    total = part if total is None else total + part
+            return total
         if self.par.is_first_stage:
             self.pipeline.step(inputs)
             return None
