@@ -6,8 +6,8 @@
     DIR/val-00000.tokens       ... of the held-out documents (none when no val split)
 
 Each split is one stream, every document followed by the end-of-document id (``d1 EOD d2 EOD
-... dn EOD``), cut into shards of a fixed number of tokens (the last shorter). `Manifest.read`
-checks what is cheap (the manifest itself, every shard's size); `Manifest.verify` reads every
+... dn EOD``), cut into shards of a fixed number of tokens (the last shorter). `DataManifest.read`
+checks what is cheap (the manifest itself, every shard's size); `DataManifest.verify` reads every
 shard and compares its digest. The manifest's `digest` is the data's identity: the BLAKE2b
 (16 bytes) of the canonical JSON of what the ids are (`identity`), not of where they came from.
 """
@@ -66,7 +66,7 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Split:
+class DataSplit:
     """A split's stream: `tokens` in all (end-of-document ids included), `documents`, its shards in order."""
 
     tokens: int
@@ -79,20 +79,20 @@ class Split:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class DataManifest:
     """What manifest.json says. `tokenizer` is its entry (`shardshift.data.tokenizer.load_tokenizer`
     builds the tokenizer from it); `dtype` the numpy dtype of the ids; `splits` the ``train`` and
     ``val`` streams; `inputs` the files read (``path``, ``bytes``); `digest` the data's identity."""
 
     tokenizer: dict
     dtype: np.dtype
-    splits: dict[str, Split]
+    splits: dict[str, DataSplit]
     inputs: tuple[dict, ...]
     field: str | None
     val_fraction: float
     digest: str
 
-    def split(self, name: str) -> Split:
+    def split(self, name: str) -> DataSplit:
         """The split called `name` (``train`` or ``val``)."""
         if name not in self.splits:
             raise ValueError(f"no split {name!r}; a prepared directory has {', '.join(self.splits)}")
@@ -105,8 +105,8 @@ class Manifest:
                 "digest": self.digest}
 
     @classmethod
-    def build(cls, tokenizer: dict, dtype: np.dtype, splits: dict[str, Split], inputs: list[dict],
-              field: str | None, val_fraction: float) -> Manifest:
+    def build(cls, tokenizer: dict, dtype: np.dtype, splits: dict[str, DataSplit], inputs: list[dict],
+              field: str | None, val_fraction: float) -> DataManifest:
         """A manifest with its `digest` computed from the rest."""
         digest = identity(tokenizer, np.dtype(dtype).name, {n: s.as_json() for n, s in splits.items()})
         return cls(dict(tokenizer), np.dtype(dtype), dict(splits), tuple(inputs), field, val_fraction, digest)
@@ -120,7 +120,7 @@ class Manifest:
             os.fsync(f.fileno())
 
     @classmethod
-    def read(cls, directory: str | Path, flag: str = "--data") -> Manifest:
+    def read(cls, directory: str | Path, flag: str = "--data") -> DataManifest:
         """The manifest of prepared directory `directory`, checked: its format and digest, and
         every shard present with the size its tokens give. ValueError in one line naming `flag`
         and the file otherwise."""
@@ -157,7 +157,7 @@ class Manifest:
         return manifest
 
     @classmethod
-    def _parse(cls, raw) -> Manifest:
+    def _parse(cls, raw) -> DataManifest:
         """A manifest from parsed JSON; KeyError, TypeError or ValueError saying what is wrong."""
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
@@ -173,7 +173,7 @@ class Manifest:
                 raise ValueError(f"a {name} shard is not a .tokens file in the directory")
             if sum(s.tokens for s in shards) != int(entry["tokens"]):
                 raise ValueError(f"the {name} shards do not add up to its {entry['tokens']} tokens")
-            splits[name] = Split(int(entry["tokens"]), int(entry["documents"]), shards)
+            splits[name] = DataSplit(int(entry["tokens"]), int(entry["documents"]), shards)
         tokenizer = raw["tokenizer"]
         if not isinstance(tokenizer, dict):
             raise ValueError("its tokenizer is not a JSON object")

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardshift.data.manifest import Manifest, Shard, Split, dtype_for, shard_name
+from shardshift.data.manifest import DataManifest, DataSplit, Shard, dtype_for, shard_name
 from shardshift.data.tokenizer import Tokenizer, check_bpe_spec, tokenizer_from_flag
 from shardshift.textfile import FileError, decode_text, read_bytes
 
@@ -46,7 +47,7 @@ COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"BZh": "bzip2", b"\xfd
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class InputFile:
     """An input file: JSON lines (`lines`, one document per line) or text (one document), gzipped
     or not, of `size` bytes on disk."""
 
@@ -61,7 +62,7 @@ class Prepared:
     """What a prepare wrote: the directory, its manifest, and what it took."""
 
     out: Path
-    manifest: Manifest
+    manifest: DataManifest
     seconds: float
     input_bytes: int
 
@@ -105,10 +106,12 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, *, fi
     try:
         if trained:
             meter.phase(f"training {tokenizer}")
-            model = tokenizer_from_flag(tokenizer, lambda: read_documents(sources, field, meter.advance))
+            model = _train(tokenizer, lambda: read_documents(sources, field, meter.advance))
         partial = _claim(out)
         try:
             manifest = _write(partial, sources, model, field, val_fraction, shard_tokens, meter)
+            if out.exists() or out.is_symlink():  # rename would replace an empty directory
+                raise ValueError(f"--out {out} appeared while the data was prepared; choose a new directory")
             os.rename(partial, out)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
@@ -119,8 +122,38 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, *, fi
     return Prepared(out, manifest, time.monotonic() - start, sum(s.size for s in sources))
 
 
-def _write(partial: Path, sources: list[Source], model: Tokenizer, field: str, val_fraction: float,
-           shard_tokens: int, meter: _Progress) -> Manifest:
+def _train(spec: str, documents: Callable[[], Iterator[str]]) -> Tokenizer:
+    """``bpe:N`` trained on `documents` on a thread of its own. The trainer reads the documents on
+    its own threads, where no signal handler runs, so the main thread waits for it instead: a stop
+    signal reaches it at once, and the next document read then ends the training."""
+    stop, outcome = threading.Event(), {}
+
+    def stoppable() -> Iterator[str]:
+        for document in documents():
+            if stop.is_set():
+                raise KeyboardInterrupt
+            yield document
+
+    def work() -> None:
+        try:
+            outcome["tokenizer"] = tokenizer_from_flag(spec, stoppable)
+        except BaseException as err:  # handed to the main thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=work, name="train-bpe", daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    except BaseException:
+        stop.set()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["tokenizer"]
+
+
+def _write(partial: Path, sources: list[InputFile], model: Tokenizer, field: str, val_fraction: float,
+           shard_tokens: int, meter: _Progress) -> DataManifest:
     """Tokenize every document into `partial`'s shards; write the tokenizer and, last, the manifest."""
     dtype = dtype_for(model.vocab_size).newbyteorder("<")
     writers = {name: _ShardWriter(partial, name, shard_tokens, dtype) for name in ("train", "val")}
@@ -142,7 +175,7 @@ def _write(partial: Path, sources: list[Source], model: Tokenizer, field: str, v
                          f"larger --val-fraction")
     entry = model.save(partial)
     inputs = [{"path": str(s.path), "bytes": s.size} for s in sources]
-    manifest = Manifest.build(entry, dtype, splits, inputs, field if any(s.lines for s in sources) else None,
+    manifest = DataManifest.build(entry, dtype, splits, inputs, field if any(s.lines for s in sources) else None,
                               val_fraction)
     manifest.write(partial)
     _sync_directory(partial)
@@ -249,13 +282,13 @@ class _ShardWriter:
         self.shards.append(Shard(name, self._count, self._hash.hexdigest()))
         self._file = None
 
-    def finish(self) -> Split:
+    def finish(self) -> DataSplit:
         if self._file is not None:
             self._close()
-        return Split(sum(s.tokens for s in self.shards), self.documents, tuple(self.shards))
+        return DataSplit(sum(s.tokens for s in self.shards), self.documents, tuple(self.shards))
 
 
-def find_inputs(paths: Sequence[str]) -> list[Source]:
+def find_inputs(paths: Sequence[str]) -> list[InputFile]:
     """The files `paths` name, in order: a file as it is, a folder's files with `SUFFIXES`
     (recursively, hidden ones left out) and a glob's matches, each sorted by path. `FileError`
     naming ``--input`` for a path that does not exist, matches nothing or is an empty file."""
@@ -284,7 +317,7 @@ def find_inputs(paths: Sequence[str]) -> list[Source]:
             raise FileError(FLAG, path, "the file is empty", "give a file that holds documents, or leave it out")
         name = path.name.lower()
         gzipped = name.endswith(".gz")
-        sources.append(Source(path, name.removesuffix(".gz").endswith((".jsonl", ".json")), gzipped, size))
+        sources.append(InputFile(path, name.removesuffix(".gz").endswith((".jsonl", ".json")), gzipped, size))
     return sources
 
 
@@ -298,7 +331,7 @@ def _folder(folder: Path) -> list[Path]:
     return files
 
 
-def read_documents(sources: Sequence[Source], field: str, advance: Callable[[int], None] | None = None) -> Iterator[str]:
+def read_documents(sources: Sequence[InputFile], field: str, advance: Callable[[int], None] | None = None) -> Iterator[str]:
     """The documents of `sources` in order; `advance(nbytes)` is told the bytes of input read.
     `FileError` naming ``--input``, the file (and the line) for what is not a document."""
     for source in sources:
@@ -310,7 +343,7 @@ def read_documents(sources: Sequence[Source], field: str, advance: Callable[[int
                 advance(source.size)
 
 
-def _text(source: Source) -> str:
+def _text(source: InputFile) -> str:
     """A text file's one document."""
     raw = read_bytes(source.path, FLAG, TEXT)
     if source.gzipped:
@@ -331,7 +364,7 @@ def _refuse_compressed(head: bytes, path: Path) -> None:
                         "decompress it" + (", or name it .gz" if kind == "gzip" else ""))
 
 
-def _json_lines(source: Source, field: str, advance: Callable[[int], None] | None) -> Iterator[str]:
+def _json_lines(source: InputFile, field: str, advance: Callable[[int], None] | None) -> Iterator[str]:
     """The `field` of each line of a JSON lines file, read line by line (blank lines skipped)."""
     documents, told, number = 0, 0, 0
     try:

@@ -262,7 +262,7 @@ def _vocab_size(backend) -> int:
 
 
 def load_tokenizer(directory: str | Path, entry: dict, flag: str = "--data") -> Tokenizer:
-    """The tokenizer of a prepared directory from its manifest entry (`Manifest.tokenizer`);
+    """The tokenizer of a prepared directory from its manifest entry (`DataManifest.tokenizer`);
     ValueError naming `flag` when its file is missing or not the one the manifest records."""
     kind = entry.get("kind")
     if kind == "bytes":

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from shardshift.data.manifest import Manifest, is_prepared
+from shardshift.data.manifest import DataManifest, is_prepared
 
 LINES = 2_000_000  # about 60 MB of JSON lines: several seconds of work, stopped within the first
 
@@ -78,7 +78,7 @@ def test_after_a_kill_nothing_is_read_as_prepared_and_the_next_prepare_succeeds(
     assert not out.exists() and partial.is_dir()  # left as it was
     assert not is_prepared(partial)
     with pytest.raises(ValueError, match="an unfinished `shardshift data prepare`"):
-        Manifest.read(partial)
+        DataManifest.read(partial)
     small = tmp_path / "small.txt"
     small.write_text("a document small enough to prepare at once")
     done = _start(small, out)
@@ -86,6 +86,6 @@ def test_after_a_kill_nothing_is_read_as_prepared_and_the_next_prepare_succeeds(
     assert done.returncode == 0, stderr
     assert stdout.startswith("prepared 1 document: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "small.txt"]  # the stale partial is removed
-    manifest = Manifest.read(out)
+    manifest = DataManifest.read(out)
     manifest.verify(out)
     assert manifest.split("train").tokens == len(small.read_bytes()) + 1

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shardshift.cli.main import main
-from shardshift.data.manifest import Manifest, is_prepared
+from shardshift.data.manifest import DataManifest, is_prepared
 from shardshift.data.prepare import held_out, prepare
 from shardshift.data.tokenizer import load_tokenizer
 
@@ -23,7 +23,7 @@ DOCS = [f"document {i}: " + "word " * (i % 7) + "é\n" for i in range(20)]
 
 def _stream(directory, split: str) -> np.ndarray:
     """The split's stream: its shards read back in order."""
-    manifest = Manifest.read(directory)
+    manifest = DataManifest.read(directory)
     parts = [np.fromfile(directory / s.file, dtype=manifest.dtype) for s in manifest.split(split).shards]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=manifest.dtype)
 
@@ -61,7 +61,7 @@ def test_text_gzip_json_lines_folders_and_globs_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = prepare(inputs, "bytes", tmp_path / "out", field="body")
     assert _documents(tmp_path / "out", "train") == DOCS[:10]  # g*.txt sorted: g8 before g9
-    manifest = Manifest.read(tmp_path / "out")
+    manifest = DataManifest.read(tmp_path / "out")
     assert manifest.digest == result.manifest.digest
     train = manifest.split("train")
     assert (train.documents, train.tokens) == (10, sum(len(d.encode()) + 1 for d in DOCS[:10]))
@@ -80,14 +80,14 @@ def test_text_gzip_json_lines_folders_and_globs_in_order(tmp_path, monkeypatch):
 def test_shards_cut_one_stream_with_an_end_after_every_document(tmp_path):
     _jsonl(tmp_path / "docs.jsonl", DOCS)
     prepare([str(tmp_path / "docs.jsonl")], "bytes", tmp_path / "out", shard_tokens=37)
-    manifest = Manifest.read(tmp_path / "out")
+    manifest = DataManifest.read(tmp_path / "out")
     shards = manifest.split("train").shards
     assert [s.file for s in shards] == [f"train-{i:05d}.tokens" for i in range(len(shards))]
     assert all(s.tokens == 37 for s in shards[:-1]) and 1 <= shards[-1].tokens <= 37
     stream = _stream(tmp_path / "out", "train")
     assert stream.tobytes() == b"".join(d.encode() + b"\x00" for d in DOCS)
     assert manifest.field == "text" and manifest.split("train").documents == 20
-    assert Manifest.read(tmp_path / "out").digest == manifest.digest
+    assert DataManifest.read(tmp_path / "out").digest == manifest.digest
 
 
 def test_the_val_split_holds_out_evenly_spaced_documents(tmp_path):
@@ -99,7 +99,7 @@ def test_the_val_split_holds_out_evenly_spaced_documents(tmp_path):
     prepare([str(tmp_path / "docs.jsonl")], "bytes", tmp_path / "out", val_fraction=0.1, shard_tokens=16)
     assert _documents(tmp_path / "out", "val") == [DOCS[9], DOCS[19]]
     assert _documents(tmp_path / "out", "train") == [d for i, d in enumerate(DOCS) if i not in (9, 19)]
-    manifest = Manifest.read(tmp_path / "out")
+    manifest = DataManifest.read(tmp_path / "out")
     assert manifest.split("val").documents == 2 and manifest.split("train").documents == 18
     assert manifest.split("val").shards[0].file == "val-00000.tokens" and manifest.val_fraction == 0.1
     manifest.verify(tmp_path / "out")
@@ -118,7 +118,7 @@ def test_too_few_documents_for_the_val_fraction_are_refused(tmp_path, capsys):
 def test_a_trained_bpe_stream_decodes_to_the_documents(tmp_path):
     _jsonl(tmp_path / "docs.jsonl", DOCS)
     prepare([str(tmp_path / "docs.jsonl")], "bpe:300", tmp_path / "out")
-    manifest = Manifest.read(tmp_path / "out")
+    manifest = DataManifest.read(tmp_path / "out")
     assert manifest.dtype == np.uint16 and manifest.tokenizer["kind"] == "bpe"
     assert manifest.tokenizer["eod"] == 0 and manifest.tokenizer["file"] == "tokenizer.json"
     tok = load_tokenizer(tmp_path / "out", manifest.tokenizer)
@@ -139,7 +139,7 @@ def test_a_vocabulary_over_65536_ids_is_stored_as_uint32(tmp_path):
     backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "a.txt").write_text("w0 w69999 w65536 nothing")
     prepare([str(tmp_path / "a.txt")], f"hf:{tmp_path}", tmp_path / "out")
-    manifest = Manifest.read(tmp_path / "out")
+    manifest = DataManifest.read(tmp_path / "out")
     assert manifest.dtype == np.uint32 and manifest.tokenizer["vocab_size"] == 70_002
     assert _stream(tmp_path / "out", "train").tolist() == [2, 70_001, 65_538, 0, 1]
 
@@ -148,35 +148,35 @@ def test_read_and_verify_refuse_a_damaged_directory(tmp_path):
     _jsonl(tmp_path / "docs.jsonl", DOCS)
     out = tmp_path / "out"
     prepare([str(tmp_path / "docs.jsonl")], "bytes", out, shard_tokens=50)
-    manifest = Manifest.read(out)
+    manifest = DataManifest.read(out)
     shard = out / "train-00001.tokens"
     data = bytearray(shard.read_bytes())
     data[7] ^= 1
     shard.write_bytes(data)
-    Manifest.read(out)  # the size is right: only reading every byte finds it
+    DataManifest.read(out)  # the size is right: only reading every byte finds it
     with pytest.raises(ValueError, match=r"^--data \S+/out/train-00001.tokens: its digest differs from the "
                                          r"manifest's: .*; prepare the data again$"):
         manifest.verify(out)
     shard.write_bytes(data[:-3])
     with pytest.raises(ValueError, match=r"^--data \S+/train-00001.tokens: incomplete: the shard has 47 bytes, the "
                                          r"manifest says 50 \(50 tokens of uint8\); prepare the data again$"):
-        Manifest.read(out)
+        DataManifest.read(out)
     shard.unlink()
     with pytest.raises(ValueError, match=r"train-00001.tokens: incomplete: the shard is missing"):
-        Manifest.read(out, flag="--eval-data")
+        DataManifest.read(out, flag="--eval-data")
     text = (out / "manifest.json").read_text()
     (out / "manifest.json").write_text(text.replace('"documents": 20', '"documents": 21'))
     with pytest.raises(ValueError, match=r"manifest.json: its digest is not that of its content \(it was edited\)"):
-        Manifest.read(out)
+        DataManifest.read(out)
     (out / "manifest.json").write_text(text.replace("shardshift-tokens/1", "shardshift-tokens/9"))
     with pytest.raises(ValueError, match=r"manifest.json: not a valid manifest \(format 'shardshift-tokens/9'"):
-        Manifest.read(out)
+        DataManifest.read(out)
     (out / "manifest.json").write_text("{")
     with pytest.raises(ValueError, match=r"manifest.json: not valid JSON"):
-        Manifest.read(out)
+        DataManifest.read(out)
     (out / "manifest.json").unlink()
     with pytest.raises(ValueError, match=r"^--data \S+/out: holds no manifest.json; give a directory written by"):
-        Manifest.read(out)
+        DataManifest.read(out)
     assert not is_prepared(out)
 
 
@@ -188,7 +188,7 @@ def test_a_partial_directory_is_never_read_and_a_dead_ones_is_removed(tmp_path):
     os.rename(tmp_path / "done", stale)  # complete inside, as after a kill between the manifest and the rename
     assert not is_prepared(stale)
     with pytest.raises(ValueError, match=r"out.partial-\d+: an unfinished `shardshift data prepare`"):
-        Manifest.read(stale)
+        DataManifest.read(stale)
     mine = tmp_path / f"out.partial-{os.getpid()}-x"  # not a partial name: kept
     mine.mkdir()
     prepare([str(tmp_path / "docs.jsonl")], "bytes", tmp_path / "out")
