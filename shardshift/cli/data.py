@@ -45,7 +45,8 @@ def run_prepare(args: argparse.Namespace) -> int:
     from shardshift.console import say
     from shardshift.data.prepare import prepare
 
-    stops = _stop_on_signals()
+    came: list[int] = []
+    before = {signum: signal.signal(signum, _stop(came)) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         result = prepare(args.input, args.tokenizer, args.out, field=args.field, val_fraction=args.val_fraction,
                          shard_tokens=parse_tokens(args.shard_tokens))
@@ -53,22 +54,22 @@ def run_prepare(args: argparse.Namespace) -> int:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signum = stops.get("signal", signal.SIGINT)
+        signum = came[0] if came else signal.SIGINT
         say(f"shardshift: stopped by {signal.Signals(signum).name}; {args.out} was not written", "stderr")
         return 128 + signum
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     say(result.summary())
     return 0
 
 
-def _stop_on_signals() -> dict:
-    """SIGTERM and SIGHUP stop the command as Ctrl-C does (a KeyboardInterrupt, which removes what it
-    wrote); the dict returned records which signal came."""
-    seen: dict = {}
+def _stop(came: list[int]):
+    """A handler that stops the command as Ctrl-C does (a KeyboardInterrupt, upon which `prepare`
+    removes what it wrote), noting the signal in `came`."""
 
     def stop(signum, frame):
-        seen.setdefault("signal", signum)
+        came.append(signum)
         raise KeyboardInterrupt
 
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
-    return seen
+    return stop

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -149,6 +150,9 @@ def test_read_and_verify_refuse_a_damaged_directory(tmp_path):
     out = tmp_path / "out"
     prepare([str(tmp_path / "docs.jsonl")], "bytes", out, shard_tokens=50)
     manifest = DataManifest.read(out)
+    told = []
+    manifest.verify(out, progress=lambda done, total: told.append((done, total)))
+    assert len(told) == len(manifest.split("train").shards) and told[-1] == (manifest.split("train").tokens,) * 2
     shard = out / "train-00001.tokens"
     data = bytearray(shard.read_bytes())
     data[7] ^= 1
@@ -207,8 +211,10 @@ def test_a_fault_found_while_reading_removes_what_was_written(tmp_path, capsys):
 
 def test_the_command_prints_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(DOCS[0])
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     assert main(["data", "prepare", "--input", str(tmp_path / "a.txt"), "--tokenizer", "bytes",
                  "--out", str(tmp_path / "out"), "--shard-tokens", "7"]) == 0
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == handlers  # put back
     out = capsys.readouterr().out
     tokens = len(DOCS[0].encode()) + 1
     assert re.fullmatch(rf"prepared 1 document: {tokens} train tokens \(1 document\), 0 val tokens \(0 documents\), "
