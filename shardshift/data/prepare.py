@@ -306,7 +306,8 @@ def find_inputs(paths: Sequence[str]) -> list[InputFile]:
             for match in map(Path, matches):
                 found += _folder(match) if match.is_dir() else [match]
         else:
-            raise FileError(FLAG, text, "no such file or directory", "give a text or JSON lines file, a folder or a glob")
+            raise FileError(FLAG, text, "no such file or directory",
+                            "give a text or JSON lines file, a folder or a glob")
     sources = []
     for path in found:
         try:
@@ -331,7 +332,8 @@ def _folder(folder: Path) -> list[Path]:
     return files
 
 
-def read_documents(sources: Sequence[InputFile], field: str, advance: Callable[[int], None] | None = None) -> Iterator[str]:
+def read_documents(sources: Sequence[InputFile], field: str,
+                   advance: Callable[[int], None] | None = None) -> Iterator[str]:
     """The documents of `sources` in order; `advance(nbytes)` is told the bytes of input read.
     `FileError` naming ``--input``, the file (and the line) for what is not a document."""
     for source in sources:

@@ -107,8 +107,9 @@ class HFTokenizer(Tokenizer):
         """All of `texts` in one `encode_batch` (tokenizers encodes them on every core). A trained
         BPE cuts long texts into pieces first, so that one long document also uses every core;
         the ids are those of the whole (`cut_points`)."""
-        if self.kind != "bpe":
-            return [np.asarray(e.ids, dtype=np.int64) for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+        if self.kind != "bpe":  # another tokenizer's pre-tokenizer may join across a newline: never cut
+            encoded = self._backend.encode_batch_fast(texts, add_special_tokens=False)
+            return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
         pieces, owners = [], []
         for index, text in enumerate(texts):
             bounds = [0, *cut_points(text, PIECE_CHARS), len(text)]

@@ -20,7 +20,8 @@ from shardshift.data.tokenizer import (
 from shardshift.textfile import FileError
 
 TEXT = "Ophelia — nymph, in thy orisons\nBe all my sins remember'd.\n\n  Soft you now!\tThe fair Ophelia!"
-DOCUMENTS = [TEXT, "To be, or not to be: that is the question.", "ünïcödé 日本語 🙂 " * 3, "<|endoftext|> is text here"]
+DOCUMENTS = [TEXT, "To be, or not to be: that is the question.", "ünïcödé 日本語 🙂 " * 3,
+             "<|endoftext|> is text here"]
 
 
 @pytest.fixture(scope="module")
