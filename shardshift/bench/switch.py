@@ -78,6 +78,7 @@ import torch.distributed as dist
 from shardshift.bench.calibration import Calibration, LinkRate, link_rate, max_over_ranks, measure_machine, usable_cores
 from shardshift.bench.restart import Restart, RestartFailed, restart_job
 from shardshift.console import say
+from shardshift.data.corpus import open_corpus
 from shardshift.launch import STORE_ENV
 from shardshift.layout import Layout
 from shardshift.models.space import state_space
@@ -87,7 +88,6 @@ from shardshift.runtime import run_in_group
 from shardshift.simulate.host_memory import PageWork
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import load_tokens
 from shardshift.train.state import local
 from shardshift.train.switch import SwitchReport
 from shardshift.train.trainer import Trainer
@@ -254,20 +254,20 @@ def run_rank(opts: SwitchBenchOptions) -> int:
 def run_switch_bench(opts: SwitchBenchOptions, rank: int, device_type: str) -> list[dict]:
     """Walk the chain; one record per transition (`summarise`), complete on rank 0."""
     cfg, chain = opts.cfg, opts.chain
-    tokens = load_tokens(cfg.data)
-    trainer = Trainer(cfg, rank, device_type, tokens=tokens, timeout_s=opts.timeout_s)
+    corpus = open_corpus(cfg.data)
+    trainer = Trainer(cfg, rank, device_type, corpus=corpus, timeout_s=opts.timeout_s)
     trainer.train_step()  # AdamW state exists from here on
     root = [tempfile.mkdtemp(prefix="shardshift-bench-switch-", dir=_scratch_parent()) if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     root = Path(root[0])
     try:
-        return [_repeated(trainer, after, tokens, root, opts) for after in chain[1:]]
+        return [_repeated(trainer, after, corpus, root, opts) for after in chain[1:]]
     finally:
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _repeated(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> dict:
+def _repeated(trainer: Trainer, after: Layout, corpus, root: Path, opts: SwitchBenchOptions) -> dict:
     """`opts.repeat` measurements of the switch from the trainer's layout to `after` (switching back
     between them, unmeasured), summarised in one record (`summarise`)."""
     before = trainer.cfg.layout
@@ -275,11 +275,11 @@ def _repeated(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchB
     for repeat in range(opts.repeat):
         if repeat:
             trainer.switch(trainer.prepare_switch(before, opts.budget))
-        runs.append(_transition(trainer, after, tokens, root, opts))
+        runs.append(_transition(trainer, after, corpus, root, opts))
     return summarise([run.as_dict() for run in runs])
 
 
-def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: SwitchBenchOptions) -> SwitchRun:
+def _transition(trainer: Trainer, after: Layout, corpus, root: Path, opts: SwitchBenchOptions) -> SwitchRun:
     """Steps 1 to 6 of the module's docstring for one transition."""
     before, rank, device = trainer.cfg.layout, trainer.rank, trainer.par.device
     link = link_rate(opts.p2p_bytes, opts.p2p_reps, device, opts.timeout_s)
@@ -297,7 +297,7 @@ def _transition(trainer: Trainer, after: Layout, tokens, root: Path, opts: Switc
                 restart_error = err.reason
         dist.barrier()  # the other ranks wait here, idle, while the fresh job runs
 
-    build_s, load_s, ranks, loaded = _dcp_reference(trainer, after, path, tokens)
+    build_s, load_s, ranks, loaded = _dcp_reference(trainer, after, path, corpus)
     if rank == 0:
         shutil.rmtree(path)
     steps_taken = trainer.progress.step
@@ -351,7 +351,7 @@ def _return_free_memory() -> None:
             trim(0)
 
 
-def _dcp_reference(trainer: Trainer, after: Layout, path: Path, tokens):
+def _dcp_reference(trainer: Trainer, after: Layout, path: Path, corpus):
     """Build a trainer under `after`, placed as the switch will place it; DCP-load `path` into it.
 
     Returns the build's and the load's seconds, the rank order and the loaded state's digests; the
@@ -362,7 +362,7 @@ def _dcp_reference(trainer: Trainer, after: Layout, path: Path, tokens):
     ranks = plan_transition(state_space(cfg.model, cfg.param_dtype), trainer.assignment, after).new.ranks
 
     def build():  # `Trainer` seeds the global generator; the load restores the checkpoint's
-        return Trainer(cfg, trainer.rank, device.type, tokens=tokens, ranks=ranks)
+        return Trainer(cfg, trainer.rank, device.type, corpus=corpus, ranks=ranks)
 
     built, build_s = _timed(build, device)
     _, load_s = _timed(functools.partial(checkpoint.load, built, path), device)

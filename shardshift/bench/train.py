@@ -26,11 +26,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.console import say
+from shardshift.data.corpus import open_corpus
+from shardshift.data.stream import BatchStream
 from shardshift.layout import Layout
 from shardshift.plots.canvas import check_drawable
 from shardshift.runtime import run_in_group
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.optim import build_optimizer
 from shardshift.train.trainer import Trainer
 
@@ -188,15 +189,15 @@ def run_rank(opts: TrainBenchOptions) -> int:
 def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Throughput]:
     """DDP and every layout of `opts`, measured in turns (see the module docstring)."""
     base, steps, rounds, warmup = opts.base, opts.steps, opts.rounds, opts.warmup
-    tokens = load_tokens(base.data)
+    corpus = open_corpus(base.data)
     variants: dict[tuple[str, str], object] = {}
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    stream = BatchStream(tokens, base.model.seq_len, base.global_batch, base.seed)
+    stream = BatchStream(corpus.train, base.model.seq_len, base.global_batch, base.seed)
     variants["ddp", "gloo"] = PlainDDP(base, rank, device, stream)
     for layout in opts.layouts:
         for collectives in opts.collectives:
             variants[str(layout), collectives] = Trainer(opts.config(layout, collectives), rank, device_type,
-                                                         tokens=tokens, timeout_s=opts.timeout_s)
+                                                         corpus=corpus, timeout_s=opts.timeout_s)
     seconds = dict.fromkeys(variants, 0.0)
     for name, variant in variants.items():
         for _ in range(warmup):

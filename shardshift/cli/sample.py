@@ -13,8 +13,9 @@ def register(subparsers) -> None:
     p.add_argument("--resume", required=True, metavar="DIR",
                    help="a --save directory (its newest intact checkpoint) or one checkpoint in it")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"text to start from (default {DEFAULT_PROMPT!r})")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: the most likely byte each time (default 0.8)")
+    p.add_argument("--tokens", type=int, default=200,
+                   help="tokens to generate, of the run's tokenizer (bytes for a text file; default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time (default 0.8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     p.set_defaults(func=run)
 

@@ -133,6 +133,7 @@ def _switches(args: argparse.Namespace, layout: Layout) -> tuple[tuple[int, Layo
 
 def config_from_args(args: argparse.Namespace, layout: Layout):
     """Build and validate the run's configuration; raises ValueError with what to change."""
+    from shardshift.data.corpus import vocabulary
     from shardshift.models import model_spec
     from shardshift.plots.canvas import can_draw
     from shardshift.train.config import OptimConfig, TrainConfig
@@ -141,7 +142,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, grad_clip=args.grad_clip)
     return TrainConfig(
         layout=layout,
-        model=model_spec(args.model),
+        model=model_spec(args.model, vocabulary(args.data)),
         steps=args.steps,
         stop_at=args.stop_at,
         seed=args.seed,
@@ -171,8 +172,9 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
 def _check_before_launch(cfg, log_dir: str | None) -> None:
     """What the workers would refuse, refused before they start (they check again: under torchrun
     nothing runs before them)."""
+    from shardshift.data.corpus import open_corpus, verify_corpus
+    from shardshift.data.stream import BatchStream
     from shardshift.train.catalog import RunIdentity, check_save_dir, choose
-    from shardshift.train.data import BatchStream, check_vocabulary, digest, load_tokens
 
     for flag, value in (("--save", cfg.save), ("--log-dir", log_dir)):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
@@ -186,16 +188,23 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
         if metrics.is_dir() or not metrics.parent.is_dir():
             raise ValueError(f"--metrics {cfg.metrics}: " + ("is a directory; give a file in it" if metrics.is_dir()
                              else f"no directory {metrics.parent}; create it or give another path"))
-    check_vocabulary(cfg.model.name, cfg.model.vocab_size)
-    tokens = load_tokens(cfg.data)
-    try:
-        BatchStream(tokens, cfg.model.seq_len, cfg.global_batch, cfg.seed)
-    except ValueError as err:
-        raise ValueError(f"--data {cfg.data or '(the shipped corpus)'}: {err}") from None
+    corpus = open_corpus(cfg.data)
+    corpus.check_vocabulary(cfg.model.name, cfg.model.vocab_size)
+    if cfg.eval_every and corpus.val is None:
+        raise ValueError(f"--eval-every needs a held-out split: --data {cfg.data or '(the shipped corpus)'} has none; "
+                         "prepare the data with `shardshift data prepare --val-fraction F` and train on that directory")
+    streams = [("its train split", corpus.train)] + ([("its held-out split", corpus.val)] if cfg.eval_every else [])
+    for what, tokens in streams if corpus.prepared else [("the text", corpus.train)]:
+        try:
+            BatchStream(tokens, cfg.model.seq_len, cfg.global_batch, cfg.seed, what, "tokens" if corpus.prepared
+                        else "bytes")
+        except ValueError as err:
+            raise ValueError(f"--data {cfg.data or '(the shipped corpus)'}: {err}") from None
+    verify_corpus(corpus)
     if cfg.save:
         check_save_dir(cfg.save, cfg.resume_from)
     if cfg.resume:
-        choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
+        choose(cfg.resume_from, RunIdentity.of(cfg, corpus.digest), missing_ok=cfg.resume == "auto")
 
 
 def _world_size(args: argparse.Namespace) -> int | None:

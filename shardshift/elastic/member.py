@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardshift.console import say
+from shardshift.data.corpus import open_corpus
 from shardshift.elastic import membership
 from shardshift.elastic.ahead import Ahead
 from shardshift.elastic.change import Placement, Request
@@ -28,7 +29,6 @@ from shardshift.models.space import state_space
 from shardshift.runtime import process_from_env
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import digest, load_tokens
 from shardshift.train.loop import Hook, Loop
 from shardshift.train.parallelize import forget_old_meshes, tree_options
 from shardshift.train.report import Metrics, Signals, Summary
@@ -54,7 +54,7 @@ class ElasticWorker:
 
     def __init__(self, cfg: TrainConfig, ecfg: ElasticConfig, store: JobStore, member: int, timeout_s: float):
         self.cfg, self.ecfg, self.store, self.member, self.timeout_s = cfg, ecfg, store, member, timeout_s
-        self.tokens = load_tokens(cfg.data)
+        self.corpus = open_corpus(cfg.data)
         # The state moves between worlds over gloo groups built by hand (`membership.move_group`),
         # which take CPU tensors: an elastic job runs on the CPU, its worlds on gloo (the command
         # line refuses --device cuda).
@@ -106,8 +106,8 @@ class ElasticWorker:
         epoch = Epoch(0, tuple(range(proc.world_size)), cfg.layout, 0)
         self.store.publish_host(self.member)
         membership.init_world(self.store.store, epoch, proc.rank, self.timeout_s, "gloo")
-        resume = resume_point(cfg, self.tokens, proc.rank) if (cfg.resume or cfg.save) else None
-        trainer = Trainer(cfg, proc.rank, self.device_type, tokens=self.tokens, timeout_s=self.timeout_s,
+        resume = resume_point(cfg, self.corpus, proc.rank) if (cfg.resume or cfg.save) else None
+        trainer = Trainer(cfg, proc.rank, self.device_type, corpus=self.corpus, timeout_s=self.timeout_s,
                           trees=self.trees(epoch))
         self.loop.metrics = Metrics(cfg.metrics, proc.rank)
         if resume is not None:
@@ -135,7 +135,7 @@ class ElasticWorker:
         import shardshift
 
         return {"shardshift": shardshift.__version__, "torch": torch.__version__, "model": self.cfg.model.name,
-                "model_config": self.cfg.model.config_dict(), "data": digest(self.tokens)}
+                "model_config": self.cfg.model.config_dict(), "data": self.corpus.digest}
 
     def _mark_save_dir(self) -> str | None:
         """With --save, a token of this job written into the directory (`SAVE_MARKER`): a joiner on

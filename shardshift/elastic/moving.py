@@ -177,7 +177,7 @@ def _move_once(worker: ElasticWorker, change: Change, started_at: float, detect_
     clock.times["model_and_transfer"] -= stats.seconds
     trainer = None
     if state is not None:
-        trainer = Trainer(change.cfg, rank, worker.device_type, tokens=worker.tokens, timeout_s=worker.timeout_s,
+        trainer = Trainer(change.cfg, rank, worker.device_type, corpus=worker.corpus, timeout_s=worker.timeout_s,
                           state=state)
         clock.lap("trainer")
     worker.enter_world(change.epoch, trainer)

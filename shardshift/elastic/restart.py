@@ -63,7 +63,7 @@ def restart_from_checkpoint(worker: ElasticWorker, old: Epoch, members: list[int
     worker.watch.arm(number)
     membership.init_world(connect(worker.store.address, worker.timeout_s), epoch, rank, worker.timeout_s, "gloo")
     worker.cfg = cfg.with_layout(layout)
-    trainer = Trainer(worker.cfg, rank, worker.device_type, tokens=worker.tokens, timeout_s=worker.timeout_s,
+    trainer = Trainer(worker.cfg, rank, worker.device_type, corpus=worker.corpus, timeout_s=worker.timeout_s,
                       trees=worker.trees(epoch))
     checkpoint.load(trainer, newest[0])
     worker.enter_world(dataclasses.replace(epoch, step=trainer.progress.step), trainer)

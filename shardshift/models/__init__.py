@@ -42,10 +42,13 @@ def names_a_model(name: str) -> bool:
     return name in model_names() or name.startswith("hf:") or is_imported_name(name)
 
 
-def model_spec(name: str):
+def model_spec(name: str, vocab_size: int | None = None):
     """The model `name` (a `ModelSpec`): a built-in one; ``hf:DIR``, the Hugging Face model whose
     config.json (and weights, if any) DIR holds; or ``FILE.py:NAME`` / ``MODULE:NAME``, a spec of
-    the user's own (`user.load`). ValueError naming --model if there is none."""
+    the user's own (`user.load`). ValueError naming --model if there is none.
+
+    `vocab_size`: the vocabulary of the data's tokenizer, which a built-in model takes as its own
+    (its preset's is the 256 byte values); a Hugging Face model or one of the user's keeps its own."""
     from shardshift.models.user.load import imported_spec, is_imported_name
 
     if name.startswith("hf:"):  # a Hugging Face model directory
@@ -58,7 +61,10 @@ def model_spec(name: str):
     if name not in presets:
         raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(presets)}, hf:DIR (a Hugging Face "
                          f"directory), or FILE.py:NAME (a ModelSpec of your own, docs/models.md)")
-    return presets[name](name)
+    spec = presets[name](name)
+    if vocab_size is not None and vocab_size != spec.vocab_size:
+        spec = spec.with_config({**spec.config_dict(), "vocab_size": vocab_size})
+    return spec
 
 
 def recorded_spec(name: str, config: dict):

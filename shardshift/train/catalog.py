@@ -49,7 +49,7 @@ class RunIdentity:
     seed: int
     global_batch: int
     dtype: str
-    data: str  # digest of the token stream's bytes (`data.digest`)
+    data: str  # the data's identity (`Corpus.digest`: a text file's bytes, a prepared directory's manifest)
 
     # field -> the flag that sets it, for messages
     FLAGS = {"model": "--model", "model_config": "--model", "optim": "--lr/--warmup/--grad-clip", "steps": "--steps",
@@ -88,6 +88,9 @@ class Manifest:
     layout: str  # the layout it was written under
     step: int
     files: dict[str, list[int]]  # name -> [bytes, crc32], every file of the checkpoint but the manifest
+    # The tokenizer of the run's prepared data (its entry in the data's manifest; its file, if any, is
+    # among `files`); None: the data were a text file, read as bytes.
+    tokenizer: dict | None = None
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
@@ -109,11 +112,12 @@ class Manifest:
         run = _field(data, "run", lambda v: RunIdentity(**v), "the run's identity (model, optim, steps, ...)")
         layout = _field(data, "layout", _text, "a layout")
         step = _field(data, "step", _whole, "a step number")
-        return cls(FORMAT, run, layout, step, files)
+        tokenizer = _field(data, "tokenizer", _entry, "a tokenizer's entry") if data.get("tokenizer") else None
+        return cls(FORMAT, run, layout, step, files, tokenizer)
 
     def write(self, path: Path) -> None:
         data = {"format": self.format, "run": self.run.as_dict(), "layout": self.layout, "step": self.step,
-                "files": self.files}
+                "files": self.files, "tokenizer": self.tokenizer}
         tmp = path / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
@@ -139,6 +143,12 @@ def _field(data: dict, key: str, convert, expected: str):
 
 def _whole(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(value)
+    return value
+
+
+def _entry(value) -> dict:
+    if not isinstance(value, dict) or not {"kind", "vocab_size", "eod"} <= value.keys():
         raise TypeError(value)
     return value
 

@@ -68,6 +68,7 @@ def write(trainer: Trainer, root: str) -> Path:
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+        trainer.corpus.copy_tokenizer(partial)  # `sample` reads the run's tokenizer from the checkpoint
     dist.barrier()
     dcp.save(trainer.state.tensors(), checkpoint_id=str(partial))  # returns once every rank's files are written
     return partial
@@ -81,9 +82,10 @@ def publish(trainer: Trainer, partial: Path, keep: int = 0) -> Path:
     dist.all_gather_object(shares, file_table(partial, rank, world))
     final = checkpoint_dir(str(partial.parent), trainer.progress.step)
     if rank == 0:
-        run = RunIdentity.of(trainer.cfg, trainer.stream.digest)
+        run = RunIdentity.of(trainer.cfg, trainer.corpus.digest)
         files = dict(sorted(item for share in shares for item in share.items()))
-        Manifest(FORMAT, run, str(trainer.cfg.layout), trainer.progress.step, files).write(partial)
+        Manifest(FORMAT, run, str(trainer.cfg.layout), trainer.progress.step, files,
+                 trainer.corpus.tokenizer).write(partial)
         _publish(partial, final)
         if keep:
             for old in prunable(final.parent, run, trainer.progress.step, keep):

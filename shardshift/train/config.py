@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardshift.data.stream import data_slice
 from shardshift.layout import Layout
 from shardshift.reshard.schedule import DEFAULT_BUDGET, MIN_BUDGET
-from shardshift.train.data import data_slice
 
 if TYPE_CHECKING:
     import torch

@@ -29,11 +29,11 @@ import torch.distributed as dist
 
 from shardshift.comm import TransferError
 from shardshift.console import say
+from shardshift.data.corpus import Corpus, open_corpus
 from shardshift.runtime import run_in_group, say_device_note
 from shardshift.train import checkpoint
 from shardshift.train.catalog import REPLACED_PREFIX, RunIdentity, check_save_dir, checkpoints, choose
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import digest, load_tokens
 from shardshift.train.loop import Loop, ScheduledSwitches, StopOnSignal
 from shardshift.train.report import Metrics, Signals, Stopped, Summary
 from shardshift.train.state import LostState
@@ -47,7 +47,7 @@ def run_training(cfg: TrainConfig, timeout_s: float) -> int:
     return 0
 
 
-def resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
+def resume_point(cfg: TrainConfig, corpus: Corpus, rank: int) -> Path | None:
     """The checkpoint to resume from (None: start fresh), as rank 0 chose it, after checking that
     the run may save into `--save`: every rank gets the same answer, or the same ValueError."""
     answer: list = [None]
@@ -56,7 +56,7 @@ def resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
             if cfg.save:
                 check_save_dir(cfg.save, cfg.resume_from)
             if cfg.resume:
-                answer = [_choose(cfg, tokens)]
+                answer = [_choose(cfg, corpus)]
         except ValueError as err:
             answer = [err]
     dist.broadcast_object_list(answer, src=0)
@@ -65,10 +65,10 @@ def resume_point(cfg: TrainConfig, tokens, rank: int) -> Path | None:
     return None if answer[0] is None else Path(answer[0])
 
 
-def _choose(cfg: TrainConfig, tokens) -> str | None:
+def _choose(cfg: TrainConfig, corpus: Corpus) -> str | None:
     """Rank 0's part of `resume_point`: the choice, said; a checkpoint a crash left set aside
     while its step was saved again is renamed back first."""
-    choice = choose(cfg.resume_from, RunIdentity.of(cfg, digest(tokens)), missing_ok=cfg.resume == "auto")
+    choice = choose(cfg.resume_from, RunIdentity.of(cfg, corpus.digest), missing_ok=cfg.resume == "auto")
     if choice.skipped or choice.path is not None:
         say(choice.describe())
     elif cfg.resume == "auto":
@@ -85,9 +85,9 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
     if cfg.collectives == "trees" and proc.device_type != "cpu":
         raise ValueError("--collectives trees runs on CPU tensors (gloo) only in this build: on GPUs leave it out "
                          "(NCCL), or pass --device cpu")
-    tokens = load_tokens(cfg.data)
-    resume = resume_point(cfg, tokens, proc.rank) if (cfg.resume or cfg.save) else None
-    trainer = Trainer(cfg, proc.rank, proc.device_type, tokens=tokens, timeout_s=timeout_s)
+    corpus = open_corpus(cfg.data)
+    resume = resume_point(cfg, corpus, proc.rank) if (cfg.resume or cfg.save) else None
+    trainer = Trainer(cfg, proc.rank, proc.device_type, corpus=corpus, timeout_s=timeout_s)
     metrics = Metrics(cfg.metrics, proc.rank)
     if resume is not None:
         checkpoint.load(trainer, resume)

@@ -3,13 +3,15 @@
 The newest intact checkpoint in DIR (or DIR itself, if it is one) is read into one process,
 whatever layout wrote it: its manifest names the model and its configuration (`models.ModelSpec`),
 and DCP reshards every parameter into a whole tensor on load (optimizer state is not read). The
-model reads and writes bytes (the first 256 ids of its vocabulary), so a prompt is its UTF-8 bytes and the
-text is decoded with invalid bytes replaced.
+prompt is encoded and the text decoded with the run's tokenizer: the one its prepared data were
+tokenized with (the checkpoint holds its file and its manifest entry), or bytes for a text file.
 
-Sampling draws each next byte from the softmax of the last position's logits divided by the
-temperature, with a generator seeded by `seed` (temperature 0: always the most likely byte). The
-context is the last `seq_len` bytes. The same checkpoint, prompt and seed give the same text,
-whatever layout the checkpoint was saved under: the parameters DCP gives back are the same bytes.
+Sampling draws each next token, among the tokenizer's ids (of a vocabulary that may be larger),
+from the softmax of the last position's logits divided by the temperature, with a generator seeded
+by `seed` (temperature 0: always the most likely token); it stops early at the end-of-document
+token of prepared data. The context is the last `seq_len` tokens. The same checkpoint, prompt and
+seed give the same text, whatever layout the checkpoint was saved under: the parameters DCP gives
+back are the same bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from shardshift.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from shardshift.models import recorded_spec
 from shardshift.models.spec import ModelSpec
 from shardshift.train.catalog import Manifest, choose
 from shardshift.train.config import torch_dtype
-from shardshift.train.data import BYTE_VALUES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,23 +66,35 @@ def load_model(where: str) -> tuple[nn.Module, ModelSpec, Path, Manifest]:
     return model.eval(), spec, choice.path, manifest
 
 
-def generate(model: nn.Module, seq_len: int, prompt: bytes, tokens: int, temperature: float, seed: int) -> bytes:
-    """`tokens` bytes that follow `prompt` (see the module docstring)."""
+def run_tokenizer(path: Path, manifest: Manifest) -> tuple[Tokenizer, int | None]:
+    """The tokenizer the checkpoint at `path` was trained with, and the end-of-document id to stop
+    at (None: a text file, one document)."""
+    if manifest.tokenizer is None:
+        return ByteTokenizer(), None
+    return load_tokenizer(path, manifest.tokenizer, "--resume"), int(manifest.tokenizer["eod"])
+
+
+def generate(model: nn.Module, seq_len: int, prompt: list[int], tokens: int, temperature: float, seed: int,
+             vocab_size: int, stop: int | None = None) -> list[int]:
+    """At most `tokens` ids that follow `prompt`, drawn among ``0 .. vocab_size - 1``, ending at
+    `stop` if it is drawn (left out; see the module docstring)."""
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character to start from")
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor(list(prompt), dtype=torch.int64)[None]
+    ids = torch.tensor(prompt, dtype=torch.int64)[None]
     out = []
     with torch.no_grad():
         for _ in range(tokens):
-            logits = model(ids[:, -seq_len:])[0, -1, :BYTE_VALUES].double()  # bytes only, of a larger vocabulary
+            logits = model(ids[:, -seq_len:])[0, -1, :vocab_size].double()
             if temperature == 0:
                 nxt = int(torch.argmax(logits))
             else:
                 nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+            if nxt == stop:
+                break
             out.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return bytes(out)
+    return out
 
 
 def sample(where: str, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: int = 0) -> Sample:
@@ -88,7 +102,9 @@ def sample(where: str, prompt: str, tokens: int = 200, temperature: float = 0.8,
     if tokens < 1:
         raise ValueError(f"--tokens {tokens} must be >= 1")
     if not temperature >= 0:
-        raise ValueError(f"--temperature {temperature} must be >= 0 (0: the most likely byte each time)")
+        raise ValueError(f"--temperature {temperature} must be >= 0 (0: the most likely token each time)")
     model, spec, path, manifest = load_model(where)
-    text = generate(model, spec.seq_len, prompt.encode(), tokens, temperature, seed).decode("utf-8", errors="replace")
-    return Sample(path, manifest, prompt, text)
+    tokenizer, stop = run_tokenizer(path, manifest)
+    ids = generate(model, spec.seq_len, tokenizer.encode(prompt), tokens, temperature, seed, tokenizer.vocab_size,
+                   stop)
+    return Sample(path, manifest, prompt, tokenizer.decode(ids))

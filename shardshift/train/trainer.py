@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardshift.data.corpus import Corpus, open_corpus
+from shardshift.data.stream import BatchStream, data_slice, loss_weight
 from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import BatchStream, check_vocabulary, data_slice, load_tokens, loss_weight
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import (
     Parallel,
@@ -78,24 +79,22 @@ class Trainer:
     `group` carries a switch's transfers (default: the job's world), within `timeout_s`.
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int, device_type: str, tokens=None, ranks=None, group=None,
+    def __init__(self, cfg: TrainConfig, rank: int, device_type: str, corpus: Corpus | None = None, ranks=None,
+                 group=None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, state: TrainingState | None = None, trees=None):
         """`ranks`: the process at each coordinate of the layout (default: process i at the i-th).
+        `corpus`: the data (default: `open_corpus(cfg.data)`).
         `state`: go on from this state (one a change of world built) instead of the initial one.
         `trees`: the ShardShiftOptions of the data axes' groups (default: from `cfg`, `tree_options`)."""
-        check_vocabulary(cfg.model.name, cfg.model.vocab_size)
+        self.corpus = open_corpus(cfg.data) if corpus is None else corpus
+        self.corpus.check_vocabulary(cfg.model.name, cfg.model.vocab_size)
         self.cfg = cfg
         self.rank = rank
         self.group = dist.group.WORLD if group is None else group
         self.timeout_s = timeout_s
         self.state = state or TrainingState.initial(
             cfg, build_parallel(cfg.layout, rank, device_type, ranks, trees or tree_options(cfg, timeout_s)))
-        self.stream = BatchStream(
-            load_tokens(cfg.data) if tokens is None else tokens,
-            cfg.model.seq_len,
-            cfg.global_batch,
-            cfg.seed,
-        )
+        self.stream = BatchStream(self.corpus.train, cfg.model.seq_len, cfg.global_batch, cfg.seed)
         self.module, self.pipeline = self._runtime(sync=state is None)  # a moved state's replicas are equal
         self._pending: tuple | None = None  # a step left pending by `train_step`: (its `applied`,)
 

@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from shardshift.cli.main import main
+from shardshift.data.corpus import open_corpus
+from shardshift.data.stream import BatchStream
 from shardshift.layout import Layout, all_layouts
 from shardshift.models import model_spec
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import BatchStream, load_tokens
 from shardshift.train.export import export
 from shardshift.train.sample import load_model
 from shardshift.train.trainer import Trainer
@@ -84,7 +85,7 @@ def _transformers_loss(directory, spec) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
-    inputs, targets = BatchStream(load_tokens(None), spec.seq_len, 8, 3).batch(0, 0, 1)
+    inputs, targets = BatchStream(open_corpus(None).train, spec.seq_len, 8, 3).batch(0, 0, 1)
     with torch.no_grad():
         logits = model(inputs).logits
     return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))

@@ -218,7 +218,7 @@ BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error mu
     (["train", "--data", "{badgz}"], "--data {badgz}: its name ends in .gz but it does not decompress as gzip"),
     (["train", "--data", "{nul}"], "--data {nul}: it holds NUL bytes"),
     (["train", "--data", "{corruptgz}"], "--data {corruptgz}: its name ends in .gz but it does not decompress as gzip"),
-    (["train", "--data", "{dir}"], "--data {dir}: a directory; give the path of a text file"),
+    (["train", "--data", "{dir}"], "--data {dir}: a directory with no manifest.json; give a text file or a directory"),
     (["train", "--save", "{ckpts}"], "--save {ckpts} holds checkpoints already (newest step-00000002), which a run "
      "that does not resume from it would replace: go on from them with --resume auto, or --save into a new"),
     (["train", "--save", "{ckpts}", "--resume", "{dir}"], "--save {ckpts} holds checkpoints already"),

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from shardshift.data.corpus import open_corpus
 from shardshift.layout import Coord, Layout
 from shardshift.models import model_names, model_spec
 from shardshift.models.llama.config import PRESETS, LlamaConfig
@@ -19,7 +20,6 @@ from shardshift.models.llama.spec import LlamaSpec
 from shardshift.models.space import state_space
 from shardshift.reshard.space import Box, holding
 from shardshift.train.config import TrainConfig
-from shardshift.train.data import check_vocabulary
 
 TINY = model_spec("llama-tiny")
 
@@ -156,8 +156,8 @@ def test_a_vocabulary_smaller_than_the_byte_values_is_refused():
     with pytest.raises(ValueError, match=r"^--model llama-test-variant has a vocabulary of 200 tokens, but the data "
                                          r"are read as bytes \(token ids 0..255\); choose a model with vocab_size >= 256$"):
         Trainer(cfg, 0, "cpu")
-    check_vocabulary("llama-test", model_spec("llama-test").vocab_size)  # 259: the bytes and 3 more
-    check_vocabulary("gpt", 256)
+    open_corpus(None).check_vocabulary("llama-test", model_spec("llama-test").vocab_size)  # 259: the bytes and 3 more
+    open_corpus(None).check_vocabulary("gpt", 256)
 
 
 def test_configurations_that_build_no_llama_are_refused():
