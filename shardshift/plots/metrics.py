@@ -7,7 +7,9 @@ and events between steps:
 - ``{"event": "switch", "step": S, "from", "to", ...}``: the layout changed before step S;
 - ``{"event": "membership", "step": S, "kind": join|leave|crash, "from_world", "to_world", ...}``:
   the world changed after step S;
-- ``{"event": "resume", "step": S, ...}``: the run went on from a checkpoint of step S.
+- ``{"event": "resume", "step": S, ...}``: the run went on from a checkpoint of step S;
+- ``{"event": "eval", "step": S, "held_out_loss": L, ...}``: the loss on the held-out split after
+  step S (``--eval-every``).
 
 Every event is therefore a boundary between two steps; `RunEvent.after` is the step before it.
 
@@ -62,12 +64,22 @@ class LayoutSpan:
 
 
 @dataclass(frozen=True)
+class HeldOutPoint:
+    """The held-out loss after a step."""
+
+    step: int
+    loss: float
+
+
+@dataclass(frozen=True)
 class RunHistory:
-    """What one metrics file says the run did: its steps in order, one per step, and its events."""
+    """What one metrics file says the run did: its steps in order, one per step, its events, and
+    its held-out losses."""
 
     path: Path
     steps: tuple[StepPoint, ...]  # increasing step numbers
     events: tuple[RunEvent, ...]  # in the order written
+    held_out: tuple[HeldOutPoint, ...] = ()  # increasing step numbers
 
     @property
     def spans(self) -> tuple[LayoutSpan, ...]:
@@ -86,11 +98,16 @@ def read_history(path: Path) -> RunHistory:
     lines = read_text(path, None, "the file `shardshift train --metrics FILE` wrote").splitlines()
     steps: dict[int, StepPoint] = {}
     events: list[RunEvent] = []
+    held_out: dict[int, HeldOutPoint] = {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         record = _object(line, where)
+        if record.get("event") == "eval":
+            point = HeldOutPoint(_count(record, "step", where), _number(record, "held_out_loss", where))
+            held_out[point.step] = point
+            continue
         if "event" in record:
             event = _event(record, where)
             if event is not None:
@@ -100,11 +117,13 @@ def read_history(path: Path) -> RunHistory:
         # A step recorded again: the run went back; what it had recorded from there on is undone.
         steps = {s: p for s, p in steps.items() if s < point.step}
         events = [e for e in events if e.after < point.step]
+        held_out = {s: p for s, p in held_out.items() if s < point.step}
         steps[point.step] = point
     if not steps:
         raise ValueError(f"{path}: no step records (objects with \"step\" and \"loss\"); is it the file "
                          "`shardshift train --metrics` wrote, after the run took a step?")
-    return RunHistory(path, tuple(steps[s] for s in sorted(steps)), tuple(events))
+    return RunHistory(path, tuple(steps[s] for s in sorted(steps)), tuple(events),
+                      tuple(held_out[s] for s in sorted(held_out)))
 
 
 def _object(line: str, where: str) -> dict:

@@ -2,8 +2,9 @@
 
     draw_runs([Path("run.jsonl")], Path("run.png"))        # what `shardshift plot run.jsonl` does
 
-From the top: a strip with one row per run showing the layout of each stretch of steps, the loss,
-and tokens/s, on one step axis. Each run has its own colour (the legend names its file). Every
+From the top: a strip with one row per run showing the layout of each stretch of steps, the loss
+(and the held-out loss, dashed with dots, where the run recorded one: ``--eval-every``), and
+tokens/s, on one step axis. Each run has its own colour (the legend names its file). Every
 switch, membership change and resume is a vertical line in the run's colour at the boundary it
 happened on, half a step after the last step before it (a switch before step S at S - 0.5, a
 worker joining after step S at S + 0.5), labelled at the top of the loss panel.
@@ -47,6 +48,7 @@ class RunCurve:
     name: str  # its legend entry: the file's name
     color: tuple[float, float, float, float]  # RGBA of its curves and marks
     steps: tuple[int, ...]  # the x of its loss and tokens/s curves
+    held_out: tuple[int, ...]  # the x of its held-out loss curve (none without one)
     marks: tuple[EventMark, ...]
     spans: tuple[LayoutSpan, ...]  # the layout strip's bars, in order
 
@@ -86,6 +88,9 @@ def _draw_run(history: RunHistory, color, row: int, strip: Axes, loss: Axes, spe
     name = history.path.name
     steps = [p.step for p in history.steps]
     loss.plot(steps, [p.loss for p in history.steps], color=color, label=name, linewidth=1.2)
+    if history.held_out:
+        loss.plot([p.step for p in history.held_out], [p.loss for p in history.held_out], color=color,
+                  linestyle="--", marker="o", markersize=3, linewidth=1.0, label=f"{name} (held-out)")
     speed.plot(steps, [p.tokens_per_s for p in history.steps], color=color, linewidth=1.2)
     for span in history.spans:
         strip.broken_barh([(span.first - 0.5, span.last - span.first + 1)], (row - 0.4, 0.8),
@@ -100,7 +105,8 @@ def _draw_run(history: RunHistory, color, row: int, strip: Axes, loss: Axes, spe
         loss.text(mark.x, 0.98, f" {mark.label}", transform=loss.get_xaxis_transform(), rotation=90,
                   ha="right", va="top", fontsize=8, color=color)
         marks.append(mark)
-    return RunCurve(history.path, name, color, tuple(steps), tuple(marks), history.spans)
+    return RunCurve(history.path, name, color, tuple(steps), tuple(p.step for p in history.held_out), tuple(marks),
+                    history.spans)
 
 
 def _dress(strip: Axes, loss: Axes, speed: Axes, runs: list[RunCurve]) -> None:

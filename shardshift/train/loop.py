@@ -13,7 +13,8 @@ step, in order:
    `applied`;
 3. rank 0 reports the step (the progress line and ``--metrics``);
 4. the ranks agree on the boundary in one all-reduce (maximum) of what every hook `vote`s, and each
-   hook reads the agreed values (`agreed`), which may ask to stop with a signal;
+   hook reads the agreed values (`agreed`), which may ask to stop with a signal; unless stopping,
+   the held-out loss when ``--eval-every`` has it due (every K steps and at `stop_at`);
 5. a checkpoint when ``--save`` is given and the run stops, every ``--save-every`` steps, and at
    the last step;
 6. when stopping: every hook's `stopping`, rank 0's one line saying how to resume, and `Stopped`;
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from shardshift.console import say
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
-from shardshift.train.report import Metrics, Signals, Stopped, Summary, report_step, report_switch
+from shardshift.train.report import Metrics, Signals, Stopped, Summary, report_eval, report_step, report_switch
 from shardshift.train.state import LostState
 from shardshift.train.trainer import Diverged, StepAborted, StepResult, Trainer
 
@@ -109,6 +110,8 @@ class Loop:
                 result = self.trainer.train_step(commit=self._commit, applied=self._applied)
                 self._report(result)
                 stop = self._agree(result)
+                if not stop:
+                    self._evaluate_if_due()
             except (RuntimeError, StepAborted) as err:  # a collective broke, or the vote failed
                 if isinstance(err, (Diverged, LostState)) or not any(h.recover(self, err) for h in self.hooks):
                     raise
@@ -166,6 +169,14 @@ class Loop:
             stop = max(stop, hook.agreed(self, flat[start:start + len(vote)], result))
             start += len(vote)
         return stop
+
+    def _evaluate_if_due(self) -> None:
+        every, step = self.cfg.eval_every, self.trainer.progress.step
+        if every and (step % every == 0 or step == self.cfg.stop_at):
+            loss = self.trainer.evaluate()
+            self.summary.evaluated(loss)
+            if self.rank == 0:
+                report_eval(self.cfg, step, loss, self.metrics)
 
     def _save_if_due(self, stop: int) -> None:
         cfg, step = self.cfg, self.trainer.progress.step

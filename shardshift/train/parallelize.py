@@ -156,7 +156,7 @@ def tree_options(cfg, timeout_s: float, topology=None):
 
 def reshard_after_break(model: nn.Module) -> None:
     """Put every FSDP2 module of `model` back in its sharded form, whatever its forward or backward
-    was doing when it broke (a peer died in a collective).
+    was doing when it stopped (a peer died in a collective, or a forward ran with no backward).
 
     FSDP2 registers a layer's gathered parameters while it runs and its sharded ones after; a
     forward that raised leaves some layers gathered, and the root (which keeps its parameters

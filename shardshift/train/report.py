@@ -85,6 +85,12 @@ def report_step(cfg: TrainConfig, result: StepResult, metrics: Metrics) -> None:
     })
 
 
+def report_eval(cfg: TrainConfig, step: int, loss: float, metrics: Metrics) -> None:
+    """The held-out loss after `step` (`Trainer.evaluate`), said and recorded."""
+    say(f"step {step:5d} | held-out loss {loss:.6f} ({cfg.eval_batches} batches of {cfg.global_batch})")
+    metrics.write({"event": "eval", "step": step, "held_out_loss": loss, "batches": cfg.eval_batches})
+
+
 def report_switch(report, metrics: Metrics) -> None:
     say(
         f"switched {report.old} -> {report.new} before step {report.step} in {report.seconds:.2f} s "
@@ -104,7 +110,7 @@ class Summary:
     def __init__(self, cfg: TrainConfig, change: str = "switch") -> None:
         self.cfg, self.change, self.start = cfg, change, time.monotonic()
         self.steps = self.changes = 0
-        self.first_loss = self.last_loss = None
+        self.first_loss = self.last_loss = self.held_out_loss = None
         self.change_seconds = 0.0
         self.tree_calls: dict[str, int] = {}  # of the layouts switched from
 
@@ -112,6 +118,9 @@ class Summary:
         self.steps += 1
         self.first_loss = result.loss if self.first_loss is None else self.first_loss
         self.last_loss = result.loss
+
+    def evaluated(self, loss: float) -> None:
+        self.held_out_loss = loss
 
     def switching(self, trainer: Trainer) -> None:
         """Before a switch: the calls of the groups it leaves behind."""
@@ -130,7 +139,8 @@ class Summary:
     def event(self, trainer: Trainer) -> dict:
         return {"event": "summary", "step": trainer.progress.step, "steps": self.steps,
                 "tokens": self.steps * self.cfg.tokens_per_step, "seconds": time.monotonic() - self.start,
-                "first_loss": self.first_loss, "last_loss": self.last_loss, "change": self.change,
+                "first_loss": self.first_loss, "last_loss": self.last_loss, "held_out_loss": self.held_out_loss,
+                "change": self.change,
                 "changes": self.changes, "change_seconds": self.change_seconds,
                 "tree_calls": _added(self.tree_calls, tree_calls(trainer))}
 
@@ -141,6 +151,8 @@ class Summary:
                 f"({event['tokens'] / seconds:,.0f} tokens/s)")
         if event["first_loss"] is not None:
             text += f"; loss {event['first_loss']:.4f} -> {event['last_loss']:.4f}"
+        if event.get("held_out_loss") is not None:
+            text += f", held-out {event['held_out_loss']:.4f}"
         if event["changes"]:
             name = event["change"]
             if event["changes"] > 1:  # "switch" -> "switches", "change of world" -> "changes of world"

@@ -223,6 +223,43 @@ class Trainer:
         self.pipeline.step()
         return None
 
+    def evaluate(self) -> float:
+        """The mean loss over the first ``cfg.eval_batches`` global batches of the held-out split
+        (`BatchStream.held_out`: in order, the same samples under every layout), with no gradient
+        and nothing of the state changed. A collective: every rank calls it."""
+        self.state.check_usable()
+        if self.corpus.val is None:
+            raise ValueError("--eval-every needs a held-out split: prepare the data with --val-fraction")
+        cfg, layout = self.cfg, self.cfg.layout
+        stream = BatchStream(self.corpus.val, cfg.model.seq_len, cfg.global_batch, cfg.seed, "the held-out split")
+        total = 0.0
+        with torch.no_grad(), cfg.autocast(self.par.device.type):
+            for index in range(cfg.eval_batches):
+                inputs, targets = stream.held_out(index, layout.data_rank(self.par.coord), layout.data_parallel)
+                total += self._global_loss(self._forward(inputs.to(self.par.device), targets.to(self.par.device)))
+        reshard_after_break(self.model)  # FSDP2 keeps gathered what a forward with no backward left so
+        return total / cfg.eval_batches
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """`_forward_backward` with no backward (under ``no_grad``): the local mean loss on the
+        last stage, None elsewhere. The model runs unwrapped (DDP's hooks are for backward)."""
+        if self.pipeline is not None:
+            losses: list[torch.Tensor] = []
+            if self.par.is_first_stage:
+                self.pipeline.eval(inputs)
+            elif self.par.is_last_stage:
+                self.pipeline.eval(target=targets, losses=losses)
+            else:
+                self.pipeline.eval()
+            return torch.stack(losses).mean() if self.par.is_last_stage else None
+        count, total = len(inputs), None
+        for x, y in zip(inputs.split(sizes := self.cfg.micro_slices(count)), targets.split(sizes)):
+            loss = self.cfg.model.loss(self.model(x if len(x) else inputs[:1]), y if len(y) else targets[:1])
+            if len(x):  # an empty micro-batch runs one sequence for the others' collectives, and counts for nothing
+                part = loss * (len(x) / count)
+                total = part if total is None else total + part
+        return total
+
     def _global_loss(self, local_loss: torch.Tensor | None) -> float:
         """Mean loss over the global batch: the data ranks' means, each weighted by its share of
         the batch and counted once (tp rank 0 of the last stage)."""

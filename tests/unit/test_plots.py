@@ -157,6 +157,28 @@ def test_membership_changes_are_marked_and_redone_steps_replace_the_lost_ones(tm
         (1, 2, "fsdp=4"), (3, 4, "fsdp=3"), (5, 6, "fsdp=2"), (7, 8, "fsdp=4")]
 
 
+def test_the_held_out_loss_is_drawn_dashed_beside_the_loss_and_undone_with_its_steps(tmp_path):
+    """Held-out losses after steps 2, 4 and 6, as `Loop` records them; the run resumes from step 3
+    and evaluates after step 4 again: the curve is 2, 4 (the second), 6."""
+    from shardshift.train.report import report_eval
+
+    path = tmp_path / "eval.jsonl"
+    for start, stop, shift in ((1, 6, 0.0), (4, 6, 1.0)):
+        metrics = Metrics(str(path), rank=0)
+        for step in range(start, stop + 1):
+            _step(metrics, "dp=4", step)
+            if step % 2 == 0:
+                report_eval(CFG, step, 20.0 / step + shift, metrics)
+        metrics.close()
+    drawn = draw_runs([path], tmp_path / "eval.png")
+    (run,) = drawn.runs
+    assert run.held_out == (2, 4, 6)
+    loss, held_out = _curves(_axes(drawn.figure, "loss"))
+    assert held_out.get_linestyle() == "--" and held_out.get_label() == "eval.jsonl (held-out)"
+    assert list(held_out.get_xdata()) == [2, 4, 6] and list(held_out.get_ydata()) == [10.0, 6.0, 20 / 6 + 1]
+    assert list(loss.get_xdata()) == list(range(1, 7))
+
+
 def test_a_resumed_run_drops_what_it_had_recorded_past_its_checkpoint(tmp_path):
     """Steps 1-6 with a switch before step 5, stopped; resumed from the checkpoint of step 3, the
     run trains steps 4-8 again and switches again: one switch, one resume, each step once."""
