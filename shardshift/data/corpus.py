@@ -24,15 +24,13 @@ from typing import Protocol
 import numpy as np
 
 from shardshift.data.manifest import DataManifest, is_prepared
+from shardshift.data.prepare import COMPRESSED
 from shardshift.textfile import decode_text, read_bytes
 
 DEFAULT_CORPUS = "shakespeare.txt.gz"
 BYTE_VALUES = 256  # a text file's token ids are its bytes: a model needs a vocabulary of at least this many
 TEXT = "a text file or a directory `shardshift data prepare` wrote"  # what --data must be, for messages
 
-# Leading bytes of compressed formats, which would otherwise train on noise.
-_COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
-               b"\x28\xb5\x2f\xfd": "zstd"}
 
 
 class Tokens(Protocol):
@@ -187,7 +185,7 @@ def load_tokens(path: str | None) -> np.ndarray:
         except (OSError, EOFError, zlib.error) as err:
             raise ValueError(f"--data {path}: its name ends in .gz but it does not decompress as gzip ({err}); "
                              "give a whole gzip file, or plain text under another name") from None
-    kind = next((name for magic, name in _COMPRESSED.items() if raw.startswith(magic)), None)
+    kind = next((name for magic, name in COMPRESSED.items() if raw.startswith(magic)), None)  # else: noise
     if kind is not None:
         raise ValueError(f"--data {path}: the file is {kind}-compressed; decompress it"
                          + (", or name it .gz" if kind == "gzip" else ""))

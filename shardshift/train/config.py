@@ -257,6 +257,14 @@ class TrainConfig:
                     f"--micro-batches {self.micro_batches} is fewer than pp={layout.pp} stages; "
                     f"1F1B needs at least one micro-batch per stage"
                 )
+            if self.micro_batches == layout.pp and layout.dp > 1 and layout.fsdp == layout.tp == 1:
+                # The first stage then runs every forward before any backward, and DDP's reducer (which
+                # replicates the stages) records its parameters twice and fails the step after.
+                raise ValueError(
+                    f"{layout}: 1F1B with as many micro-batches as stages ({self.micro_batches}) breaks DDP's "
+                    f"replication of the stages in PyTorch 2.13; choose more micro-batches (e.g. --micro-batches "
+                    f"{2 * layout.pp}" + (", or a smaller --micro-batch-size)" if self.micro_batch_size else ")")
+                )
 
     @property
     def param_dtype(self) -> "torch.dtype":
