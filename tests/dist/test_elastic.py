@@ -153,6 +153,51 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     assert torch.equal(elastic["progress:train"], reference["progress:train"])
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    """A corpus prepared with a byte-level BPE of 300 tokens, a fifth of its documents held out."""
+    from shardshift.data.corpus import load_tokens
+    from shardshift.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    text = bytes(load_tokens(None)[:60_000]).decode("utf-8", errors="ignore")
+    for i in range(0, len(text), 2000):
+        (root / f"doc-{i:06d}.txt").write_text(text[i:i + 2000])
+    prepare([str(root / "doc-*.txt")], "bpe:300", root / "data", val_fraction=0.2)
+    return str(root / "data")
+
+
+def test_an_elastic_run_on_prepared_data_in_micro_batches_of_one_computes_what_four_workers_compute(
+        tmp_path, budget, prepared):
+    """The run of the first test on a prepared BPE corpus, each worker running its share of the
+    global batch of 6 one sequence at a time (--micro-batch-size 1: 2 micro-batches on 4 workers,
+    the last two ending on an empty one, 2 on 3, 3 on 2), with the held-out loss every 4 steps:
+    losses and held-out losses equal the fixed run of 4 workers under fsdp=4, whole batches."""
+    data = ["--data", prepared, "--eval-every", "4", "--eval-batches", "2"]
+    fixed = _train(tmp_path, *data, "--nproc", "4", "--layout", "fsdp=4", "--metrics", str(tmp_path / "fixed.jsonl"),
+                   timeout=budget.left())
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    run = _train(tmp_path, *data, "--micro-batch-size", "1", "--elastic", "--nproc", "4", "--max-nproc", "4",
+                 "--redundancy", "1", *SHARDED, "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject",
+                 "6:join=2", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
+                 timeout=budget.left())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert _all_gone(str(tmp_path))
+    events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    assert [(e["kind"], e["from_world"], e["to_world"]) for e in events] == [
+        ("leave", 4, 3), ("crash", 3, 2), ("join", 2, 4)]
+    got, want = step_losses(tmp_path / "elastic.jsonl"), step_losses(tmp_path / "fixed.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    _assert_same_losses(got, want)
+
+    def held_out(path):
+        return {r["step"]: r["held_out_loss"] for r in metrics(path) if r.get("event") == "eval"}
+
+    assert sorted(held_out(tmp_path / "fixed.jsonl")) == [4, 8]
+    _assert_same_losses(held_out(tmp_path / "elastic.jsonl"), held_out(tmp_path / "fixed.jsonl"))
+    assert "held-out" in run.stdout.splitlines()[-1]  # the end-of-run line gives it
+
+
 def test_without_layout_for_the_policy_picks_the_layouts_that_fit_the_memory_given(tmp_path, budget, fixed):
     """No --layout-for: the layout policy picks each world's layout. Under --memory-per-worker
     900K the test model's state replicated on every worker does not fit (the policy's first choice
