@@ -11,6 +11,7 @@ import re
 import pytest
 
 from shardshift.cli.main import main
+from support import EXAMPLE_MODEL
 
 
 @pytest.fixture(autouse=True)
@@ -375,3 +376,54 @@ def test_a_checkpoint_whose_manifest_is_not_json_is_refused_naming_the_file(comm
     assert err.startswith(f"shardshift: error: --resume {tmp_path}: no complete checkpoint in it: {step.name}: "
                           f"its shardshift.json {what}"), err
     assert "damaged, or was not written by ShardShift" in err and "Traceback" not in out + err
+
+
+# ---- prepared data that does not fit the run ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict[str, str]:
+    """Directories `shardshift data prepare` wrote (a BPE of 300 tokens with a held-out split; bytes
+    without one), and damaged copies of the first: a shard changed, a shard cut short."""
+    import shutil
+
+    from shardshift.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    text = "".join(f"Line {i}: to be, or not to be, that is the question.\n" for i in range(3000))
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": text[i:i + 1500]}) + "\n" for i in range(0, len(text), 1500)))
+    prepare([str(docs)], "bpe:300", root / "bpe", val_fraction=0.1)
+    prepare([str(docs)], "bytes", root / "bytes")
+    shard = "train-00000.tokens"
+    for name in ("changed", "short"):
+        shutil.copytree(root / "bpe", root / name)
+    raw = bytearray((root / "changed" / shard).read_bytes())
+    raw[100] ^= 1
+    (root / "changed" / shard).write_bytes(bytes(raw))
+    (root / "short" / shard).write_bytes((root / "bpe" / shard).read_bytes()[:-2])
+    shutil.copytree(root / "bpe", root / "data.partial-123")  # what a killed prepare leaves
+    return {name: str(root / name) for name in ("bpe", "bytes", "changed", "short")} | {
+        "partial": str(root / "data.partial-123")}
+
+
+DATA_REFUSALS = [  # argv after `train --steps 1`, what the one line must say ({name}: a directory of `prepared`)
+    (["--data", "{bpe}", "--model", EXAMPLE_MODEL],
+     "--data {bpe}: its tokenizer has 300 tokens, more than --model " + EXAMPLE_MODEL + "'s vocabulary of 256; "
+     "choose a model with vocab_size >= 300, or prepare the data with a tokenizer that fits (--tokenizer bytes)"),
+    (["--data", "{bytes}", "--eval-every", "5"], "--eval-every needs a held-out split: --data {bytes} has none; prepare"),
+    (["--data", "{bpe}", "--eval-every", "5", "--global-batch", "512", "--model", "test"],
+     "--data {bpe}: its held-out split has"),
+    (["--data", "{changed}"], "--data {changed}/train-00000.tokens: its digest differs from the manifest's"),
+    (["--data", "{short}"], "--data {short}/train-00000.tokens: incomplete"),
+    (["--data", "{partial}"], "--data {partial}: a directory with no manifest.json"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", DATA_REFUSALS, ids=["vocabulary", "no-held-out", "held-out-short", "changed",
+                                                              "short", "partial"])
+def test_prepared_data_that_does_not_fit_the_run_is_refused_in_one_line(argv, needle, prepared, capsys):
+    argv = ["train", "--steps", "1", *[arg.format(**prepared) for arg in argv]]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("shardshift: error: ") and err.count("\n") == 1, err
+    assert needle.format(**prepared) in err, err
