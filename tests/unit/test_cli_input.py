@@ -151,7 +151,8 @@ def test_train_argv_gives_back_the_configuration_it_was_made_from():
     configs = [
         TrainConfig(layout=Layout(fsdp=2, tp=2), stop_at=4, data="corpus.txt", save="ckpt", save_every=2,
                     resume="old", metrics="m.jsonl", switches=((3, Layout(tp=2, pp=2)), (6, Layout(dp=4))), **base),
-        TrainConfig(layout=Layout(pp=2, dp=2), micro_batches=2, **base),
+        TrainConfig(layout=Layout(pp=2, dp=2), micro_batches=4, **base),
+        TrainConfig(layout=Layout(pp=2, tp=2), micro_batch_size=2, eval_every=3, eval_batches=2, **base),
         TrainConfig(layout=Layout(dp=4), collectives="trees", topology="ring", **base),
     ]
     for cfg in configs:
