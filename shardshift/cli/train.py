@@ -172,6 +172,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
 def _check_before_launch(cfg, log_dir: str | None) -> None:
     """What the workers would refuse, refused before they start (they check again: under torchrun
     nothing runs before them)."""
+    from shardshift.console import ProgressLine
     from shardshift.data.corpus import open_corpus, verify_corpus
     from shardshift.data.stream import BatchStream
     from shardshift.train.catalog import RunIdentity, check_save_dir, choose
@@ -200,7 +201,8 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
                         else "bytes")
         except ValueError as err:
             raise ValueError(f"--data {cfg.data or '(the shipped corpus)'}: {err}") from None
-    verify_corpus(corpus)
+    with ProgressLine(0, name="checking the data's digests") as line:
+        verify_corpus(corpus, line.update)
     if cfg.save:
         check_save_dir(cfg.save, cfg.resume_from)
     if cfg.resume:

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 import zlib
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardshift.console import ProgressLine
 from shardshift.data.manifest import DataManifest, DataSplit, Shard, dtype_for, shard_name
 from shardshift.data.tokenizer import Tokenizer, check_bpe_spec, tokenizer_from_flag
 from shardshift.textfile import FileError, decode_text, read_bytes
@@ -102,7 +102,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, *, fi
     if trained:
         check_bpe_spec(tokenizer)  # before reading the inputs
     sources = find_inputs(inputs)
-    meter = _Progress(sum(s.size for s in sources), sys.stderr.isatty() if progress is None else progress)
+    meter = ProgressLine(sum(s.size for s in sources), progress)
     try:
         if trained:
             meter.phase(f"training {tokenizer}")
@@ -153,7 +153,7 @@ def _train(spec: str, documents: Callable[[], Iterator[str]]) -> Tokenizer:
 
 
 def _write(partial: Path, sources: list[InputFile], model: Tokenizer, field: str, val_fraction: float,
-           shard_tokens: int, meter: _Progress) -> DataManifest:
+           shard_tokens: int, meter: ProgressLine) -> DataManifest:
     """Tokenize every document into `partial`'s shards; write the tokenizer and, last, the manifest."""
     dtype = dtype_for(model.vocab_size).newbyteorder("<")
     writers = {name: _ShardWriter(partial, name, shard_tokens, dtype) for name in ("train", "val")}
@@ -161,7 +161,7 @@ def _write(partial: Path, sources: list[InputFile], model: Tokenizer, field: str
     index = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
         pending = None
-        for batch in _batches(read_documents(sources, field, meter.advance)):
+        for batch in batches(read_documents(sources, field, meter.advance)):
             encoded = pool.submit(_encode, model, batch, dtype)
             if pending is not None:
                 index = _append(writers, *pending.result(), index, val_fraction)
@@ -439,8 +439,9 @@ def _json_type(value) -> str:
         type(value), "number")
 
 
-def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
-    """`documents` in lists of about `BATCH_CHARS` characters (a longer document alone)."""
+def batches(documents: Iterator[str]) -> Iterator[list[str]]:
+    """`documents` in lists of about `BATCH_CHARS` characters (a longer document alone): what
+    `prepare` tokenizes at once."""
     batch, chars = [], 0
     for document in documents:
         batch.append(document)
@@ -484,37 +485,4 @@ def _sync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _Progress:
-    """A line on stderr, rewritten in place (at most ten times a second): the bytes of input read
-    of the whole, in the current phase. Silent unless `enabled`."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.name, self.done, self.started, self.shown = "", 0, time.monotonic(), 0.0
-
-    def phase(self, name: str) -> None:
-        self.name, self.done, self.started = name, 0, time.monotonic()
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.monotonic()
-        if self.enabled and now - self.shown >= 0.1:
-            self.shown = now
-            rate = self.done / 1e6 / max(now - self.started, 1e-9)
-            percent = 100 * self.done / max(self.total, 1)
-            self._show(f"{self.name}: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB ({percent:.0f}%), "
-                       f"{rate:.1f} MB/s")
-
-    def close(self) -> None:
-        if self.enabled and self.shown:
-            self._show("")
-
-    def _show(self, text: str) -> None:
-        try:
-            sys.stderr.write(f"\r{text:<79}\r" if text else "\r" + " " * 79 + "\r")
-            sys.stderr.flush()
-        except OSError:
-            self.enabled = False
 
