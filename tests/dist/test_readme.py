@@ -44,6 +44,10 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce": "unit/test_packing.py::test_topo_pack_json",
     "shardshift sample --resume ckpt --prompt 'ROMEO:' --tokens 200 --temperature 0.8 --seed 0":
         "dist/test_sample.py::test_the_same_state_saved_under_three_layouts_writes_the_same_text",
+    "shardshift data prepare --input corpus/ --tokenizer bpe:8192 --out data/corpus --val-fraction 0.01":
+        "dist/test_readme.py::test_the_data_commands_prepare_a_corpus_and_train_on_it",
+    "shardshift train --nproc 4 --data data/corpus --model llama-small --global-batch 64 --micro-batch-size 8 "
+    "--eval-every 100": "dist/test_readme.py::test_the_data_commands_prepare_a_corpus_and_train_on_it",
     "shardshift export --resume ckpt --out qwen-trained":
         "dist/test_hf.py::test_an_exported_checkpoint_is_what_transformers_reads",
     "shardshift train --nproc 4 --model examples/tiny_decoder.py:spec --layout fsdp=2,tp=2 --switch 10:pp=2,dp=2 "
@@ -132,3 +136,20 @@ def test_bench_train_reports_every_variant_beside_ddp(tmp_path, budget):
     assert [r["impl"] for r in out["rows"]] == ["ddp", "dp=4", "fsdp=2,tp=2"]
     assert all(r["tokens_per_s"] > 0 and r["steps"] == 1 for r in out["rows"])
     assert out["rows"][0]["ratio_vs_ddp"] == 1.0
+
+
+def test_the_data_commands_prepare_a_corpus_and_train_on_it(tmp_path, budget):
+    """The README's two data commands, in order, on a folder of 40 small documents: a smaller BPE,
+    a larger held-out fraction, the `test` model on 2 processes for 2 steps."""
+    (prepare, train), text = [c for c in SMOKE if " --data" in c or " data prepare" in c], "To be, or not to be. "
+    (tmp_path / "corpus").mkdir()
+    for i in range(40):
+        (tmp_path / "corpus" / f"doc-{i:02d}.txt").write_text(f"Document {i}. " + text * (20 + i))
+    run = run_shardshift([*prepare.split()[1:], "--tokenizer", "bpe:300", "--val-fraction", "0.25"],
+                         timeout=budget.left(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "prepared 40 documents" in run.stdout and (tmp_path / "data" / "corpus" / "manifest.json").is_file()
+    run = run_shardshift([*train.split()[1:], "--nproc", "2", *TINY, "--steps", "2", "--micro-batch-size", "2",
+                          "--eval-every", "1", "--eval-batches", "1"], timeout=budget.left(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^step     2 \| held-out loss", run.stdout, re.M) and "held-out" in run.stdout.splitlines()[-1]
