@@ -6,6 +6,7 @@
     shardshift bench packing                                # tree packings vs their bounds
     shardshift bench packing --scale --runs 3               # fat trees and rail clusters, 256-1,024 hosts
     shardshift bench collectives --op allreduce --nproc 4   # gloo vs ring vs trees vs auto
+    shardshift bench data                                   # prepare vs tokenizers; training from shards vs memory
 
 `--plot FILE.png` (train, switch, collectives) also draws the report (`shardshift.plots.bench`).
 
@@ -41,6 +42,7 @@ def register(subparsers) -> None:
     _add_elastic(benches)
     _add_packing(benches)
     _add_collectives(benches)
+    _add_data(benches)
 
 
 def _refused(build: Callable[[], object]):
@@ -463,3 +465,54 @@ def _run_collectives(args: argparse.Namespace) -> int:
     from shardshift.bench import collectives, collectives_rank
 
     return _job(args, lambda: _collectives_options(args), collectives_rank.run, collectives.run)
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+def _add_data(benches) -> None:
+    p = benches.add_parser("data", help="data prepare's MB/s vs tokenizers'; training from prepared shards vs memory")
+    p.add_argument("--input", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="what to prepare, as `data prepare --input` takes it (default: a generated JSON lines "
+                        "corpus of --corpus-size, documents cut from the shipped corpus)")
+    p.add_argument("--corpus-size", default=None, metavar="SIZE", help="the generated corpus's size (default 32M)")
+    p.add_argument("--tokenizer", default="bpe:4096", metavar="T", help="bytes, hf:PATH or bpe:N (default bpe:4096)")
+    p.add_argument("--field", default="text", help="the field of each JSON line that holds its text (default text)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the training part")
+    p.add_argument("--layout", default=None, help="the training part's layout (default dp=NPROC)")
+    p.add_argument("--model", default="tiny", help=model_help("tiny") + "; it takes the prepared data's vocabulary")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of both parts; medians are reported with min-max")
+    p.add_argument("--warmup", type=int, default=2, help="untimed training steps per variant first")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"prepare": ..., "training": ...}')
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)  # the launcher's, on its ranks
+    add_device_argument(p)
+    p.set_defaults(func=_run_data)
+
+
+def _data_options(args: argparse.Namespace):
+    from shardshift.bench.data import DEFAULT_CORPUS_BYTES, DataBenchOptions
+    from shardshift.models import model_spec
+    from shardshift.train.config import TrainConfig
+    from shardshift.units import parse_size
+
+    if args.input and args.corpus_size is not None:
+        raise ValueError("--corpus-size sizes the generated corpus; leave it out with --input")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc} must be >= 1")
+    layout = Layout.parse(args.layout) if args.layout is not None else Layout(dp=args.nproc)
+    layout.check_world(args.nproc)
+    base = TrainConfig(layout=layout, model=model_spec(args.model), steps=args.warmup + args.steps * args.rounds,
+                       dtype=args.dtype, global_batch=args.global_batch)
+    size = DEFAULT_CORPUS_BYTES if args.corpus_size is None else parse_size(args.corpus_size, "--corpus-size")
+    return DataBenchOptions(inputs=tuple(args.input), corpus_bytes=size, tokenizer=args.tokenizer, field=args.field,
+                            model=args.model, base=base, nproc=args.nproc, steps=args.steps, rounds=args.rounds,
+                            warmup=args.warmup, timeout_s=args.timeout, json=args.json, workdir=args.workdir)
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    from shardshift.bench import data
+
+    return _job(args, lambda: _data_options(args), data.run_rank, data.run)
