@@ -5,8 +5,10 @@ def model_help(default: str) -> str:
     """What ``--model`` takes: the built-in models, family by family (`shardshift.models`)."""
     from shardshift.models.gpt.config import PRESETS as GPT
     from shardshift.models.llama.config import PRESETS as LLAMA
+    from shardshift.models.moe.config import PRESETS as MOE
 
-    families = "; ".join(f"{family}: {', '.join(sizes)}" for family, sizes in (("a GPT", GPT), ("a Llama", LLAMA)))
+    families = "; ".join(f"{family}: {', '.join(sizes)}" for family, sizes in
+                         (("a GPT", GPT), ("a Llama", LLAMA), ("a mixture of experts", MOE)))
     return (f"the model (docs/models.md), {families}; hf:DIR, a Hugging Face model's directory; or FILE.py:NAME "
             f"(or MODULE:NAME), a ModelSpec of your own (default {default})")
 

@@ -14,7 +14,8 @@ def register(subparsers) -> None:
     s = sims.add_parser("switch", help="a layout switch: bytes moved and kept, rounds, memory, links, predicted time")
     s.add_argument("--model", required=True,
                    help="a shipped spec (llama3-70b, llama3-405b, qwen3-235b-a22b), a config file (YAML or a "
-                        "Hugging Face config.json), or a model of `shardshift train` (tiny, llama-base, ..., hf:DIR, FILE.py:NAME)")
+                        "Hugging Face config.json), or a model of `shardshift train` (tiny, llama-base, moe-tiny, ..., "
+                        "hf:DIR, FILE.py:NAME)")
     s.add_argument("--ranks", type=int, required=True, help="processes of the job (the layouts' size)")
     s.add_argument("--from", dest="old", required=True, metavar="LAYOUT", help="e.g. dp=8,ep=16,tp=4,pp=8")
     s.add_argument("--to", dest="new", required=True, metavar="LAYOUT", help="e.g. dp=16,ep=8,tp=4,pp=8")

@@ -1,6 +1,6 @@
 """Models, behind one interface: `ModelSpec` (`spec`: how to build a model, its tensor-parallel plan,
 its pipeline split, its initialisation and loss), the state space derived from it (`space`), the
-Hugging Face architectures (`hf`: ``--model hf:DIR``), the built-in models (`gpt`, `llama`), and
+Hugging Face architectures (`hf`: ``--model hf:DIR``), the built-in models (`gpt`, `llama`, `moe`), and
 models of the user's own (`user`: `ModuleSpec`, ``--model FILE.py:NAME`` or ``MODULE:NAME``).
 `model_spec` resolves a name as the command line gives it, `recorded_spec` a model as a checkpoint
 records it.
@@ -21,7 +21,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _NAMES)
 
 
 def model_names() -> tuple[str, ...]:
-    """The built-in models, as --model names them: the GPT's sizes, then the Llama family's."""
+    """The built-in models, as --model names them: the GPT's sizes, the Llama family's, then the
+    mixture-of-experts family's."""
     return tuple(_presets())
 
 
@@ -31,8 +32,11 @@ def _presets() -> dict:
     from shardshift.models.gpt.spec import GPTSpec
     from shardshift.models.llama.config import PRESETS as LLAMA
     from shardshift.models.llama.spec import LlamaSpec
+    from shardshift.models.moe.config import PRESETS as MOE
+    from shardshift.models.moe.spec import MoESpec
 
-    return {**dict.fromkeys(GPT, GPTSpec.preset), **dict.fromkeys(LLAMA, LlamaSpec.preset)}
+    return {**dict.fromkeys(GPT, GPTSpec.preset), **dict.fromkeys(LLAMA, LlamaSpec.preset),
+            **dict.fromkeys(MOE, MoESpec.preset)}
 
 
 def names_a_model(name: str) -> bool:

@@ -6,7 +6,8 @@ its configuration); it says
 
 - how to build the model: `build` returns a plain `nn.Module` (the engine calls it under
   ``torch.device("meta")`` and materialises only this rank's pieces), which takes token ids
-  ``(batch, seq)`` and returns logits ``(batch, seq, vocab)``;
+  ``(batch, seq)`` and returns logits ``(batch, seq, vocab)`` (or an output they are part of:
+  `logits` picks them out, `loss` takes the whole);
 - its tensor-parallel plan (`tp_plan`), in Hugging Face's ``base_model_tp_plan`` vocabulary: module
   names, ``*`` standing for one name part (a layer's index), mapped to ``"colwise"`` (a linear's
   output features split: its weight's rows and its bias), ``"rowwise"`` (its input features: its
@@ -149,6 +150,13 @@ class ModelSpec(abc.ABC):
         """Fill the buffers of `module` (this rank's stage, materialised) that no checkpoint holds
         (e.g. RoPE's ``inv_freq``). The default: the model has none."""
 
+    def logits(self, output: Any) -> torch.Tensor:
+        """The logits (b, t, vocab) in what the whole model's forward returned (`build`): the
+        default, the output itself; a model that returns more (a mixture of experts' routing
+        statistics) picks them out."""
+        return output
+
     @abc.abstractmethod
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of logits (b, t, vocab) against targets (b, t)."""
+    def loss(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of the model's output (logits (b, t, vocab), or what `logits` reads them from)
+        against targets (b, t)."""

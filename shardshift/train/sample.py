@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,10 +75,11 @@ def run_tokenizer(path: Path, manifest: Manifest) -> tuple[Tokenizer, int | None
     return load_tokenizer(path, manifest.tokenizer, "--resume"), int(manifest.tokenizer["eod"])
 
 
-def generate(model: nn.Module, seq_len: int, prompt: list[int], tokens: int, temperature: float, seed: int,
-             vocab_size: int, stop: int | None = None) -> list[int]:
+def generate(model: Callable[[torch.Tensor], torch.Tensor], seq_len: int, prompt: list[int], tokens: int,
+             temperature: float, seed: int, vocab_size: int, stop: int | None = None) -> list[int]:
     """At most `tokens` ids that follow `prompt`, drawn among ``0 .. vocab_size - 1``, ending at
-    `stop` if it is drawn (left out; see the module docstring)."""
+    `stop` if it is drawn (left out; see the module docstring). `model`: token ids (1, t) -> logits
+    (1, t, vocab)."""
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character to start from")
     generator = torch.Generator().manual_seed(seed)
@@ -105,6 +107,6 @@ def sample(where: str, prompt: str, tokens: int = 200, temperature: float = 0.8,
         raise ValueError(f"--temperature {temperature} must be >= 0 (0: the most likely token each time)")
     model, spec, path, manifest = load_model(where)
     tokenizer, stop = run_tokenizer(path, manifest)
-    ids = generate(model, spec.seq_len, tokenizer.encode(prompt), tokens, temperature, seed, tokenizer.vocab_size,
-                   stop)
+    ids = generate(lambda ids: spec.logits(model(ids)), spec.seq_len, tokenizer.encode(prompt), tokens, temperature,
+                   seed, tokenizer.vocab_size, stop)
     return Sample(path, manifest, prompt, tokenizer.decode(ids))
