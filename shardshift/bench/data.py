@@ -11,16 +11,17 @@ reference measured in the same run.
    the ids are not converted and nothing is written. With ``bpe:N`` the prepare is timed twice:
    training included (``prepare``), and encoding only, with ``hf:`` the trained tokenizer.json
    (``prepare_encode``), which is what stands beside tokenizers. Rates are MB/s (10**6 bytes) of
-   input files; in each round the variants run in turn. ``ids_agree``: the prepared stream has as
+   input files. In each round the variants run in turn, in reverse order every other round (the
+   first round trains the tokenizer the others use). ``ids_agree``: the prepared stream has as
    many tokens as tokenizers gave ids plus one end per document, and with ``bpe:N`` both prepares
    wrote the same shards.
 2. **Training**, on `nproc` ranks: the same job trained from the prepared directory (``shards``:
    `Trainer` reads it through `ShardFiles`, ``pread`` per window) and from an array in memory of
    the same ids (``memory``: a `Corpus` of a `TokenArray`). Both trainers live in the same
-   processes and take turns step by step, each step timed between barriers: `warmup` untimed
-   steps of each, then `rounds` rounds of `steps` steps of each. They train the same model from
-   the same seed on the same batches in the same order, so their losses must be equal
-   (``loss_mismatches``: 0 is the only correct value).
+   processes and take turns step by step (each going first in every other pair), each step timed
+   between barriers: `warmup` untimed steps of each, then `rounds` rounds of `steps` steps of
+   each. They train the same model from the same seed on the same batches in the same order, so
+   their losses must be equal (``loss_mismatches``: 0 is the only correct value).
 
 Each rate is the median of the rounds, with the least and the most; a ratio is the median of the
 rounds' ratios, each of two variants measured in the same round, with the least and the most.
@@ -219,7 +220,7 @@ def measure_prepare(opts: DataBenchOptions, inputs: Sequence[str], work: Path) -
     outputs: dict[str, Path] = {}
     encoder, ids = None, 0
     for round_ in range(opts.rounds):
-        for name in names:
+        for name in names if round_ % 2 == 0 else names[::-1]:
             start = time.perf_counter()
             if name == "tokenizers":
                 ids = sum(sum(map(len, encoder(batch))) for batch in documents)  # len: no ids converted
@@ -323,8 +324,9 @@ def measure_training(opts: DataBenchOptions, rank: int, device_type: str) -> dic
             losses[name].append(trainer.train_step().loss)
     for _ in range(opts.rounds):
         spent = dict.fromkeys(variants, 0.0)
-        for _ in range(opts.steps):
-            for name, trainer in variants.items():
+        for step in range(opts.steps):
+            # ABBA: each variant goes first in every other pair of steps.
+            for name, trainer in list(variants.items())[::1 if step % 2 == 0 else -1]:
                 dist.barrier()
                 start = time.perf_counter()
                 losses[name].append(trainer.train_step().loss)
