@@ -41,6 +41,7 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift bench packing": "unit/test_packing.py::test_bench_packing_runs_small",
     "shardshift bench collectives --op allreduce --sizes 1M:64M --nproc 4":
         "dist/test_bench_collectives.py::test_small_run_reports_every_impl_without_wrong_elements",
+    "shardshift bench data": "dist/test_bench_data.py::test_a_small_run_reports_every_figure",
     "shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce": "unit/test_packing.py::test_topo_pack_json",
     "shardshift sample --resume ckpt --prompt 'ROMEO:' --tokens 200 --temperature 0.8 --seed 0":
         "dist/test_sample.py::test_the_same_state_saved_under_three_layouts_writes_the_same_text",
