@@ -13,8 +13,8 @@ reference measured in the same run.
    (``prepare_encode``), which is what stands beside tokenizers. Rates are MB/s (10**6 bytes) of
    input files. In each round the variants run in turn, in reverse order every other round (the
    first round trains the tokenizer the others use). ``ids_agree``: the prepared stream has as
-   many tokens as tokenizers gave ids plus one end per document, and with ``bpe:N`` both prepares
-   wrote the same shards.
+   many tokens as tokenizers gave ids (``bytes``: as the documents have UTF-8 bytes) plus one end
+   per document, and with ``bpe:N`` both prepares wrote the same shards.
 2. **Training**, on `nproc` ranks: the same job trained from the prepared directory (``shards``:
    `Trainer` reads it through `ShardFiles`, ``pread`` per window) and from an array in memory of
    the same ids (``memory``: a `Corpus` of a `TokenArray`). Both trainers live in the same
@@ -151,7 +151,7 @@ class Ratio:
 class PrepareFigures:
     """The prepare part: its input, what it gave, and the rates."""
 
-    inputs: tuple[str, ...]  # the files read ("generated: ..." for the generated corpus)
+    inputs: tuple[str, ...]  # the files read (for the generated corpus, what it is)
     input_bytes: int
     documents: int
     tokens: int  # of the prepared stream, an end-of-document id after every document
@@ -218,7 +218,9 @@ def measure_prepare(opts: DataBenchOptions, inputs: Sequence[str], work: Path) -
     names = ["prepare", *(["prepare_encode"] if opts.trained else []), *(["tokenizers"] if spec != "bytes" else [])]
     seconds: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, Path] = {}
-    encoder, ids = None, 0
+    encoder = None
+    # The ids tokenizers gave (bytes: the documents' UTF-8 bytes), to compare with the prepared stream.
+    ids = sum(len(document.encode("utf-8")) for batch in documents for document in batch) if spec == "bytes" else 0
     for round_ in range(opts.rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             start = time.perf_counter()
@@ -238,7 +240,7 @@ def measure_prepare(opts: DataBenchOptions, inputs: Sequence[str], work: Path) -
                     shutil.copyfile(out / "tokenizer.json", trained_json)
                 encoder = _tokenizers_encoder(f"hf:{trained_json}" if opts.trained else spec)
     train = DataManifest.read(outputs["prepare"]).split("train")
-    agree = spec == "bytes" or ids + train.documents == train.tokens
+    agree = ids + train.documents == train.tokens
     if opts.trained:
         encoded = DataManifest.read(outputs["prepare_encode"]).split("train")
         agree = agree and [s.digest for s in encoded.shards] == [s.digest for s in train.shards]
