@@ -9,7 +9,9 @@ each parameter's `reshard.training.ParamRule` then follows from the spec alone:
   holds ``1/tp`` of its weight's rows and of its bias, a row-parallel one ``1/tp`` of its weight's
   columns and its bias whole; an embedding's weight is split along its embedding dim (colwise) or
   its vocabulary (rowwise). A ``replicated_with_grad_allreduce`` module, of any type, keeps its
-  parameters whole (only their gradients are summed over tp).
+  parameters whole (only their gradients are summed over tp);
+- its expert-parallel split: a parameter of a module holding stacked experts
+  (`ModelSpec.expert_modules`) is split along dim 0 (its experts) over ``ep``.
 
 `train.parallelize` applies the same plan with the same styles, and the tests check the two against
 DTensor's own placement of every parameter.
@@ -44,6 +46,7 @@ def state_space(spec: ModelSpec, param_dtype: torch.dtype) -> TrainingSpace:
     with torch.device("meta"):
         model = spec.build()
     style_of = plan_matcher(spec.tp_plan)
+    holds_experts = plan_matcher(dict.fromkeys(spec.expert_modules, "experts"))
     modules = dict(model.named_modules())
     params = []
     for fqn, param in model.named_parameters():
@@ -58,5 +61,7 @@ def state_space(spec: ModelSpec, param_dtype: torch.dtype) -> TrainingSpace:
                                  f"{style}, which applies to linear and embedding modules only; fix the plan")
             dim = TP_DIMS[kind, style, leaf]
             splits = () if dim is None else (("tp", dim),)
+        if holds_experts(module_name):
+            splits = (("ep", 0), *splits)
         params.append((fqn, tuple(param.shape), ParamRule(spec.pipeline.layer_of(fqn), splits)))
     return TrainingSpace(params, spec.pipeline.num_layers, param_dtype, spec.check_layout)

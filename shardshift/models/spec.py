@@ -150,6 +150,16 @@ class ModelSpec(abc.ABC):
         """Fill the buffers of `module` (this rank's stage, materialised) that no checkpoint holds
         (e.g. RoPE's ``inv_freq``). The default: the model has none."""
 
+    @property
+    def expert_modules(self) -> tuple[str, ...]:
+        """Name patterns (``*`` standing for one name part) of the modules that hold a layer's
+        experts stacked along dim 0 of each of their parameters, called with the rows of each
+        expert they hold (`models.moe.model.MoEExperts`). Expert parallelism (``ep``) splits those
+        parameters along dim 0 and sets the ``dispatch`` of each such module's parent, which then
+        sends the rows to the rank holding their expert (`train.dispatch`). The default: no
+        experts (``ep`` must be 1)."""
+        return ()
+
     def logits(self, output: Any) -> torch.Tensor:
         """The logits (b, t, vocab) in what the whole model's forward returned (`build`): the
         default, the output itself; a model that returns more (a mixture of experts' routing

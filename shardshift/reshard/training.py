@@ -43,10 +43,14 @@ FIRST = -1  # `ParamRule.layer` of what the first stage holds beyond its layers 
 LAST = 1 << 30  # `ParamRule.layer` of what the last stage holds beyond its layers (final norm, head)
 
 
+def replicate_only(layout: Layout) -> bool:
+    """Data parallelism is whole copies of plain tensors (DDP): dp alone, no tp and no experts split."""
+    return layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1 and layout.ep == 1
+
+
 def uses_fsdp(layout: Layout) -> bool:
     """FSDP2 wraps the model unless the layout is pure replication (DDP) or has no data axis."""
-    replicate_only = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
-    return not replicate_only and layout.data_parallel > 1
+    return not replicate_only(layout) and layout.data_parallel > 1
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:

@@ -28,17 +28,19 @@ import dataclasses
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from shardshift.layout import Coord, Layout
 from shardshift.models.spec import ModelSpec, plan_matcher
 from shardshift.reshard.plan import increasing_on_every_axis
-from shardshift.reshard.training import stage_layers, uses_fsdp
+from shardshift.reshard.training import replicate_only, stage_layers, uses_fsdp
+from shardshift.train.dispatch import AllToAllDispatch
 
 
 def replicated_with_grad_allreduce() -> SequenceParallel:
@@ -68,7 +70,7 @@ def sum_partial_gradients(model: nn.Module) -> None:
 # `ModelSpec.tp_plan`'s vocabulary (`models.spec.TP_STYLES`)
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
            "replicated_with_grad_allreduce": replicated_with_grad_allreduce}
-MESH_AXES = ("pp", "dp", "fsdp", "tp")  # the training mesh's dims: `AXES` but ep, which training refuses
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "tp")  # the training mesh's dims: the layout's axes, in its rank order
 TREE_AXES = ("dp", "fsdp")  # the data axes, whose groups `build_parallel(trees=...)` runs on trees
 
 
@@ -91,7 +93,7 @@ class Parallel:
     @property
     def replicate_only(self) -> bool:
         """Data parallelism is whole copies of plain tensors: DDP's case."""
-        return self.layout.dp > 1 and self.layout.fsdp == 1 and self.layout.tp == 1
+        return replicate_only(self.layout)
 
     @property
     def data_mesh(self) -> DeviceMesh | None:
@@ -126,7 +128,6 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     # FSDP2 shards by a process's rank in the axis group, which `new_group` sorts: the mesh must
     # run in increasing rank order along every axis for that to match DTensor's coordinates.
     assert increasing_on_every_axis(layout, ranks), f"rank order {ranks} runs backwards on an axis"
-    assert layout.ep == 1, "training has no expert axis"
     shape = tuple(getattr(layout, axis) for axis in MESH_AXES)
     override = {}
     if trees is not None:
@@ -264,6 +265,7 @@ def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> 
         style_of = plan_matcher(spec.tp_plan)
         plan = {name: _STYLES[style]() for name, _ in model.named_modules() if (style := style_of(name))}
         parallelize_module(model, par.mesh["tp"], plan)
+    experts = split_experts(model, spec, par) if par.layout.ep > 1 else []
     data_mesh = par.data_mesh
     if data_mesh is not None:
         # Under pp the stage runs several micro-batches per step: keep parameters gathered between
@@ -272,6 +274,8 @@ def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> 
         # FSDP2 warns when a module returns a view, in case the caller modifies it in place; the
         # head's output is a view and the loss reads it out of place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        for module in experts:  # a unit of their own: their parameters live on the ep mesh
+            fully_shard(module, mesh=data_mesh, reshard_after_forward=reshard)
         for layer in layers.values():
             fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
@@ -280,6 +284,56 @@ def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> 
             setattr(module, name, torch.empty_like(buffer, device=par.device))
     spec.init_buffers(model)
     return model
+
+
+def split_experts(model: nn.Module, spec: ModelSpec, par: Parallel) -> list[nn.Module]:
+    """Split the stacked experts of `model` (still on the meta device) over ``ep``: each parameter
+    of a module `ModelSpec.expert_modules` names becomes a DTensor sharded along dim 0 (its
+    experts) on the ep mesh, and the module's parent sends its rows through an
+    `AllToAllDispatch` on that mesh's group. Returns the modules."""
+    holds = plan_matcher(dict.fromkeys(spec.expert_modules, "experts"))
+    mesh = par.mesh["ep"]
+    found = []
+    for name, module in list(model.named_modules()):
+        if not holds(name):
+            continue
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            local = torch.empty((param.shape[0] // mesh.size(), *param.shape[1:]), dtype=param.dtype, device="meta")
+            split = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                       stride=param.stride())
+            setattr(module, leaf, nn.Parameter(split, requires_grad=param.requires_grad))
+        model.get_submodule(name.rpartition(".")[0]).dispatch = AllToAllDispatch(mesh.get_group(), param.shape[0])
+        found.append(module)
+    return found
+
+
+@torch.no_grad()
+def average_over_ep(model: nn.Module, spec: ModelSpec, par: Parallel) -> None:
+    """Make the gradients averages over every data rank, ``dp x fsdp x ep``, under ``ep > 1``.
+
+    FSDP2 (or nothing, on one data rank) averages them over ``dp x fsdp``. A dense parameter is
+    replicated along ep: its gradient is averaged over the ep group too (one all-reduce of all of
+    them). An expert's gradient already sums what every rank of its ep group sent it (the
+    dispatch's backward): it is divided by ep."""
+    ep = par.layout.ep
+    if ep == 1:
+        return
+    holds = plan_matcher(dict.fromkeys(spec.expert_modules, "experts"))
+    dense = []
+    for fqn, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if holds(fqn.rpartition(".")[0]):
+            grad.div_(ep)
+        else:
+            dense.append(grad)
+    if dense:
+        flat = torch.cat([grad.reshape(-1) for grad in dense])
+        dist.all_reduce(flat, group=par.mesh["ep"].get_group())
+        flat.div_(ep)
+        for grad, part in zip(dense, flat.split([grad.numel() for grad in dense])):
+            grad.copy_(part.view_as(grad))
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

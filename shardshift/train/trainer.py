@@ -28,6 +28,7 @@ from shardshift.train.config import TrainConfig
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import (
     Parallel,
+    average_over_ep,
     build_parallel,
     reshard_after_break,
     sum_partial_gradients,
@@ -294,7 +295,8 @@ class Trainer:
         with cfg.autocast(self.par.device.type):
             local_loss = self._forward_backward(inputs, targets)
         sum_partial_gradients(self.model)
-        ranks_per_stage = layout.dp * layout.fsdp * layout.tp
+        average_over_ep(self.model, cfg.model, self.par)
+        ranks_per_stage = layout.dp * layout.fsdp * layout.ep * layout.tp
         grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip, ranks_per_stage)
         loss = self._global_loss(local_loss)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

@@ -1,4 +1,5 @@
-"""The mixture-of-experts model (`moe-test`) trains to the numerics contract: every 4-rank layout
+"""The mixture-of-experts model (`moe-test`) trains to the numerics contract: every 4-rank layout,
+and each with expert parallelism (ep=4, ep=2 with dp, fsdp, tp or pp),
 computes the losses of one process (float64, relative 1e-9), the loss being the cross entropy plus
 the load-balancing term; so do micro-batches of one sequence; and a switch is DCP's save and load
 to the bit.
@@ -29,8 +30,12 @@ from support.training import ATOL, differences, full_parameters, local_state
 STEPS = 3
 RTOL = 1e-9
 LAYOUTS = [str(layout) for layout in all_layouts(4)]
-MICRO = ["dp=4", "pp=2,fsdp=2"]  # micro-batches of one sequence: DDP's no_sync, and the pipeline's micro-batches
-SWITCH = ("fsdp=2,tp=2", "pp=2,dp=2")
+# Expert parallelism with each other axis: the experts split over ep (1 or 2 of the 4 a rank),
+# tokens sent to them and back by all-to-all, dense parameters averaged over ep too.
+EP_LAYOUTS = ["ep=4", "ep=2,fsdp=2", "ep=2,tp=2", "ep=2,pp=2", "ep=2,dp=2"]
+# micro-batches of one sequence: DDP's no_sync, the pipeline's micro-batches, and one exchange per micro-batch
+MICRO = ["dp=4", "pp=2,fsdp=2", "ep=2,fsdp=2"]
+SWITCHES = [("fsdp=2,tp=2", "pp=2,dp=2"), ("fsdp=4", "ep=2,fsdp=2"), ("ep=4", "ep=2,pp=2")]
 
 
 def _config(text: str, **changes) -> TrainConfig:
@@ -69,26 +74,26 @@ def _one_process(rank: int, world_size: int) -> dict:
     return {**_train(rank, "dp=1"), "without_balance": Trainer(_config("dp=1", model=unbalanced), rank, "cpu").train_step().loss}
 
 
-def _switch_against_dcp(rank: int, root: str) -> dict:
-    before, after = SWITCH
+def _switch_against_dcp(rank: int, root: str, before: str, after: str) -> dict:
     trainer = Trainer(_config(before, steps=8), rank, "cpu")
     for _ in range(2):
         trainer.train_step()
     path = checkpoint.save(trainer, f"{root}/moe-{before}")
-    trainer.switch(Layout.parse(after), budget=16 << 10)
+    report = trainer.switch(Layout.parse(after), budget=16 << 10)
     switched = local_state(trainer)
     reference = Trainer(_config(after, steps=8), rank, "cpu", ranks=trainer.par.ranks)
     checkpoint.load(reference, path)
     loaded = local_state(reference)
     return {"diff": differences(switched, loaded), "keys": len(switched),
             "experts": sum("mlp.experts." in key for key in switched),
+            "moved": (report.bytes_moved, report.bytes_lower_bound),
             "losses": (trainer.train_step().loss, reference.train_step().loss)}
 
 
 def _four_processes(rank: int, world_size: int, root: str) -> dict:
-    return {"layouts": {text: _train(rank, text) for text in LAYOUTS},
+    return {"layouts": {text: _train(rank, text) for text in LAYOUTS + EP_LAYOUTS},
             "micro": {text: _train(rank, text, micro_batch_size=1) for text in MICRO},
-            "switch": _switch_against_dcp(rank, root)}
+            "switch": [_switch_against_dcp(rank, root, *pair) for pair in SWITCHES]}
 
 
 def test_moe_trains_alike_under_every_layout_and_switches_as_dcp(tmp_path, budget):
@@ -99,7 +104,7 @@ def test_moe_trains_alike_under_every_layout_and_switches_as_dcp(tmp_path, budge
     assert (ref_losses[0] - ref_losses[-1]).abs() > 1e-3
     assert abs(reference["without_balance"] - reference["losses"][0]) > 1e-4
     assert reference["wrong"] == []
-    runs = [("layouts", text) for text in LAYOUTS] + [("micro", text) for text in MICRO]
+    runs = [("layouts", text) for text in LAYOUTS + EP_LAYOUTS] + [("micro", text) for text in MICRO]
     assert len(LAYOUTS) == 10 and "tp=4" in LAYOUTS and "pp=4" in LAYOUTS
     for kind, text in runs:
         seen = set()
@@ -114,7 +119,9 @@ def test_moe_trains_alike_under_every_layout_and_switches_as_dcp(tmp_path, budge
             assert run["wrong"] == [], (kind, text, rank, run["wrong"][:3])
         assert seen == set(reference["params"]), f"{kind} {text}: parameters missing from every rank"
     for rank, results in enumerate(per_rank):
-        switch = results["switch"]
-        assert switch["diff"] == [], f"{SWITCH} rank {rank}: differs from DCP in {switch['diff'][:5]}"
-        assert switch["experts"] > 0, "the comparison must include the experts' state"
-        assert switch["losses"][0] == switch["losses"][1], (rank, switch["losses"])
+        for pair, switch in zip(SWITCHES, results["switch"]):
+            assert switch["diff"] == [], f"{pair} rank {rank}: differs from DCP in {switch['diff'][:5]}"
+            assert switch["experts"] > 0, "the comparison must include the experts' state"
+            assert switch["losses"][0] == switch["losses"][1], (pair, rank, switch["losses"])
+            moved, bound = switch["moved"]
+            assert moved == bound > 0, (pair, rank, moved, bound)  # the experts move as little as can be

@@ -360,7 +360,7 @@ def test_sampling_reads_the_logits_out_of_the_output():
 
 def test_layouts_the_model_cannot_take_are_refused_with_the_fix():
     cases = [
-        (TEST, Layout(ep=2), r"^ep=2: expert parallelism is not trained yet; train moe-test with ep=1 .*$"),
+        (TEST, Layout(ep=3), r"^ep=3 does not divide num_experts=4; choose ep in \{1, 2, 4\}$"),
         (TEST, Layout(tp=3), r"^tp=3 does not divide n_heads=8; choose tp in \{1, 2, 4\}$"),
         (TEST, Layout(tp=8), r"^tp=8 does not divide n_kv_heads=4; choose tp in \{1, 2, 4\}$"),
         (_variant(shared_expert_intermediate_size=18), Layout(tp=4),

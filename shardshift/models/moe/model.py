@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardshift.models.init import seeded_normal
 from shardshift.models.llama.config import LlamaConfig
@@ -106,11 +107,18 @@ class MoEExperts(nn.Module):
         """rows (m, hidden) grouped by the experts held here, ``counts[i]`` of them for the i-th
         (counts: (experts held,), summing to m) -> each row's output of its expert (m, hidden).
 
-        Every expert runs, on no rows if it has none, so that every parameter has a gradient."""
-        assert counts.shape == (self.gate_proj.shape[0],), (counts.shape, self.gate_proj.shape)
-        out = [F.linear(F.silu(F.linear(x, self.gate_proj[i])) * F.linear(x, self.up_proj[i]), self.down_proj[i])
+        Every expert runs, on no rows if it has none, so that every parameter has a gradient. Split
+        over expert parallelism, the parameters are DTensors whose local part is the experts held."""
+        gate, up, down = (_held(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        assert counts.shape == (gate.shape[0],), (counts.shape, gate.shape)
+        out = [F.linear(F.silu(F.linear(x, gate[i])) * F.linear(x, up[i]), down[i])
                for i, x in enumerate(rows.split(counts.tolist()))]
         return torch.cat(out)
+
+
+def _held(param: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds of a stacked parameter: a DTensor's local part, or all of it."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class SparseMoEBlock(nn.Module):

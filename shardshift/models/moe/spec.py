@@ -80,11 +80,16 @@ class MoESpec(ModelSpec):
     def num_params(self) -> int:
         return self.config.num_params()
 
+    @property
+    def expert_modules(self) -> tuple[str, ...]:
+        return ("model.layers.*.mlp.experts",)
+
     def check_layout(self, layout: Layout) -> None:
         cfg = self.config
-        if layout.ep > 1:
-            raise ValueError(f"ep={layout.ep}: expert parallelism is not trained yet; train {self.name} with ep=1 "
-                             f"(its experts are sharded by fsdp like its other parameters)")
+        if cfg.num_experts % layout.ep:
+            choices = [d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]
+            raise ValueError(f"ep={layout.ep} does not divide num_experts={cfg.num_experts}; choose ep in "
+                             f"{{{', '.join(map(str, choices))}}}")
         widths = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads}
         if cfg.shared_expert_intermediate_size:
             widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
