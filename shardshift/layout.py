@@ -163,12 +163,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def all_layouts(world_size: int) -> list[Layout]:
-    """Every training layout of exactly `world_size` ranks (all degree combinations, ep = 1)."""
+def all_layouts(world_size: int, with_ep: bool = False) -> list[Layout]:
+    """Every training layout of exactly `world_size` ranks: all degree combinations, with ep = 1
+    unless `with_ep` (a model with experts)."""
     out = []
     for pp in divisors(world_size):
         for dp in divisors(world_size // pp):
             for fsdp in divisors(world_size // (pp * dp)):
-                tp = world_size // (pp * dp * fsdp)
-                out.append(Layout(dp=dp, fsdp=fsdp, tp=tp, pp=pp))
+                for ep in divisors(world_size // (pp * dp * fsdp)) if with_ep else (1,):
+                    tp = world_size // (pp * dp * fsdp * ep)
+                    out.append(Layout(dp=dp, fsdp=fsdp, ep=ep, tp=tp, pp=pp))
     return out

@@ -26,6 +26,13 @@ dtype (bfloat16 under autocast).
   collective and one dp all-reduce (DDP under pure replication: one per 25 MiB bucket); tp's 4 per
   layer and pp's sends per micro-batch; and the loss and gradient-norm all-reduces.
 
+Expert parallelism (a model with `ModelSpec.expert_modules`): P counts the experts a rank holds,
+``1/ep`` of them; each layer's block sends ``(ep-1)/ep`` of its ``b · seq_len · hidden_size``
+activation to the other ranks of its group and back, forward and backward (4 exchanges of 2
+all-to-alls each, the counts and the rows, per layer and micro-batch); the dense gradients' average
+over ep is one all-reduce of ``2 (ep-1)/ep`` × the dense piece. (A token runs top-k of the experts,
+not all: P overstates a mixture's compute alike under every layout, which the ranking tolerates.)
+
 **Cost** (`CostModel`): seconds = a · compute + b · comm_bytes + c · messages, nothing overlapped.
 Only the ratios of a, b, c matter to the choice (all candidates have the same N). `DEFAULT` is
 set from one measured layout (below); `calibrate` fits a, b, c to the job's own measured steps.
@@ -167,10 +174,10 @@ def step_features(cfg: TrainConfig, layout: Layout) -> StepFeatures:
     own maximum). ValueError if the model or the batch cannot take `layout`."""
     cfg = cfg.with_layout(layout)
     mc, m = cfg.model, _micro_batches(cfg, layout)
-    pp, dp, fsdp, tp = layout.pp, layout.dp, layout.fsdp, layout.tp
+    pp, dp, fsdp, tp, ep = layout.pp, layout.dp, layout.fsdp, layout.tp, layout.ep
     itemsize = cfg.param_dtype.itemsize
     piece = max(params for params, _ in _held(mc, cfg.param_dtype, layout))  # a rank's own shard
-    tp_piece = max(params for params, _ in _held(mc, cfg.param_dtype, Layout(tp=tp, pp=pp)))  # before FSDP
+    tp_piece = max(params for params, _ in _held(mc, cfg.param_dtype, Layout(ep=ep, tp=tp, pp=pp)))  # before FSDP
     tokens = _local_batch(cfg, layout) * mc.seq_len
     activation = tokens * mc.hidden_size * torch_dtype(cfg.dtype).itemsize  # the local batch's hidden states
     layers = len(stage_layers(mc.pipeline.num_layers, pp)[0])  # the first stage is the longest
@@ -180,7 +187,8 @@ def step_features(cfg: TrainConfig, layout: Layout) -> StepFeatures:
 
     compute = 6 * (tp_piece // itemsize) * tokens * (pp - 1 + m) / m
     comm = (2 * (dp - 1) / dp * piece + fsdp_calls * (fsdp - 1) / fsdp * tp_piece
-            + 4 * layers * 2 * (tp - 1) / tp * activation + boundaries * activation)
+            + 4 * layers * 2 * (tp - 1) / tp * activation + boundaries * activation
+            + 4 * layers * (ep - 1) / ep * activation + 2 * (ep - 1) / ep * piece)
     messages = 2 if layout.world_size > 1 else 0  # the loss and the gradient norm
     if fsdp > 1:
         messages += fsdp_calls * units
@@ -189,6 +197,8 @@ def step_features(cfg: TrainConfig, layout: Layout) -> StepFeatures:
     if tp > 1:
         messages += 4 * layers * m
     messages += boundaries * m
+    if ep > 1:
+        messages += 8 * layers * m + 1
     return StepFeatures(compute=compute, comm_bytes=comm, messages=messages)
 
 
@@ -250,7 +260,7 @@ def explain(n: int, cfg: TrainConfig, model: CostModel, memory_limit: int | None
     if n < 1:
         raise ValueError(f"a world of {n} workers has no layout: give at least one worker")
     rows = []
-    for layout in all_layouts(n):
+    for layout in all_layouts(n, with_ep=bool(cfg.model.expert_modules)):
         try:
             need = state_bytes_per_rank(cfg, layout, redundancy)
         except ValueError as err:

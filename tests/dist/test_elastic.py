@@ -100,8 +100,13 @@ def qwen2(tmp_path_factory) -> str:
     return save_hf_model("qwen2", tmp_path_factory.mktemp("hf") / "qwen2")
 
 
-@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL, "qwen2"],
-                         ids=["test", "llama-test", "own-module", "hf-qwen2"])
+# A mixture of experts moves its experts between worlds with expert parallelism: 4 workers as
+# ep=2,fsdp=2 (two experts a worker pair), 3 as fsdp=3, 2 as ep=2.
+WITH_EP = ["--layout-for", "4:ep=2,fsdp=2", "--layout-for", "3:fsdp=3", "--layout-for", "2:ep=2"]
+
+
+@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL, "qwen2", "moe-test"],
+                         ids=["test", "llama-test", "own-module", "hf-qwen2", "moe-test"])
 def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed_runs, model,
                                                                              request):
     """4 workers (fsdp=4, --redundancy 1: each worker's pieces also kept by the next); after step 2
@@ -110,23 +115,25 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     step 6 two workers the coordinator started join (2 -> 4). The global batch of 6 splits
     unevenly among 4 workers. Losses and the final parameters and AdamW state equal the fixed
     run's (one process: by the numerics contract, what any fixed world computes), and no step is lost, for
-    the `test` GPT, `llama-test`, the README's own module and a Qwen2 model run by transformers'
-    modules (`hf:DIR`, its saved weights). (Recovery from a layout's replicas: the next test.)"""
+    the `test` GPT, `llama-test`, the README's own module, a Qwen2 model run by transformers'
+    modules (`hf:DIR`, its saved weights) and the mixture of experts `moe-test` (under `WITH_EP`). (Recovery from a layout's replicas: the next test.)"""
     if model == "qwen2":
         model = request.getfixturevalue("qwen2")
     fixed = fixed_runs(model)
+    layouts = WITH_EP if model == "moe-test" else SHARDED
     run = _train(tmp_path, "--model", model, "--elastic", "--nproc", "4", "--max-nproc", "4", "--redundancy", "1",
-                 *SHARDED, "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
+                 *layouts, "--inject", "2:leave=3", "--inject", "4:kill=1", "--inject", "6:join=2",
                  "--metrics", str(tmp_path / "elastic.jsonl"), "--save", str(tmp_path / "elastic"),
                  "--log-dir", str(tmp_path / "logs"), timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert _all_gone(str(tmp_path))
 
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
+    four, two = ("fsdp=2,ep=2", "ep=2") if model == "moe-test" else ("fsdp=4", "fsdp=2")
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"], e["from"], e["to"], e["recovered_from"])
             for e in events] == [
-        (2, "leave", 4, 3, "fsdp=4", "fsdp=3", "none"), (3, "crash", 3, 2, "fsdp=3", "fsdp=2", "redundancy"),
-        (6, "join", 2, 4, "fsdp=2", "fsdp=4", "none")]
+        (2, "leave", 4, 3, four, "fsdp=3", "none"), (3, "crash", 3, 2, "fsdp=3", two, "redundancy"),
+        (6, "join", 2, 4, two, four, "none")]
     assert all(e["steps_lost"] == 0 and e["pause_seconds"] > 0 and e["bytes_moved"] > 0 for e in events)
     # A crash is not seen coming; whether the others were (`lookout`) depends on the timing.
     assert events[1]["planned_ahead"] is False and all(isinstance(e["planned_ahead"], bool) for e in events)

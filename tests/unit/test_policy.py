@@ -199,3 +199,15 @@ def test_nothing_fits():
         choose_layout(3, config(global_batch=2), DEFAULT, None)
     with pytest.raises(ValueError, match="at least one worker"):
         choose_layout(0, cfg, DEFAULT, None)
+
+
+def test_a_mixture_of_experts_is_offered_expert_parallel_layouts_and_a_dense_model_is_not():
+    moe = TrainConfig(layout=Layout(fsdp=4), model=model_spec("moe-test"), steps=4, global_batch=8)
+    dense = TrainConfig(layout=Layout(fsdp=4), model=model_spec("test"), steps=4, global_batch=8)
+    offered = {str(row[0]) for row in explain(4, moe, DEFAULT, None) if row[1] is not None}
+    assert {"ep=4", "fsdp=2,ep=2", "ep=2,pp=2"} <= offered and len(all_layouts(4, with_ep=True)) == 15
+    assert all(row[0].ep == 1 for row in explain(4, dense, DEFAULT, None))
+    # Splitting the experts over ep divides what a rank holds of them: less memory than replicating.
+    assert state_bytes_per_rank(moe, Layout(ep=4)) < state_bytes_per_rank(moe, Layout(dp=4))
+    # The exchange is priced: ep=4 sends what dp=4 does not in its forward and backward.
+    assert step_features(moe, Layout(ep=4)).messages > step_features(moe, Layout(dp=4)).messages
