@@ -6,9 +6,10 @@ index in a row-major array of that shape (tp ranks are neighbours, pp stages are
 
     rank = (((pp_i * dp + dp_i) * fsdp + fsdp_i) * ep + ep_i) * tp + tp_i
 
-``ep`` (expert parallelism) exists for planning mixture-of-experts models (`shardshift simulate`):
-the batch is split over dp x fsdp x ep, dense tensors are replicated along ep and expert tensors
-split along it. Training the shipped GPT refuses ep > 1 (it has no experts).
+``ep`` (expert parallelism) means the same in training and in planning (`shardshift simulate`): the
+batch is split over dp x fsdp x ep (ep ranks are data ranks for the dense tensors), dense tensors
+are replicated along ep and a layer's experts split along it, then sharded by FSDP like any tensor.
+A model with no experts refuses ep > 1.
 
 For ``pp=2,fsdp=2`` that gives::
 
