@@ -32,6 +32,9 @@ from shardshift.layout import Layout
 # replication). Here, not in `shardshift.bench.switch`: building the parser must not import
 # torch, which every rank of every bench would then pay.
 DEFAULT_SUITE = "dp=4;fsdp=4;fsdp=2,tp=2;tp=2,pp=2;pp=4;dp=2,fsdp=2;tp=4;dp=4"
+# The default suite of a model with experts: into expert parallelism from sharding, ep with each
+# other axis, and out of it to pipeline stages and replication.
+EXPERT_SUITE = "dp=4;fsdp=4;fsdp=2,ep=2;ep=4;ep=2,tp=2;ep=2,pp=2;tp=2,pp=2;ep=4;dp=4"
 
 
 def register(subparsers) -> None:
@@ -162,7 +165,7 @@ def _add_switch(benches) -> None:
     p.add_argument("--to", dest="target", default=None, help="the layout switched to, e.g. fsdp=2,tp=2")
     p.add_argument("--suite", nargs="?", const=DEFAULT_SUITE, default=None,
                    help=f"a chain of layouts separated by ';', each switched to from the one before "
-                        f"(default, for 4 ranks: {DEFAULT_SUITE})")
+                        f"(default, for 4 ranks: {DEFAULT_SUITE}; for a model with experts: {EXPERT_SUITE})")
     p.add_argument("--model", default="base", help=model_help("base"))
     p.add_argument("--dtype", default="float32", help="float32, float64 or bfloat16")
     p.add_argument("--global-batch", type=int, default=8,
@@ -191,6 +194,10 @@ def _chain(args: argparse.Namespace) -> tuple[Layout, ...]:
         if args.suite == DEFAULT_SUITE and args.nproc != 4:
             raise ValueError(f"the default suite is for 4 ranks, not --nproc {args.nproc}; give a chain "
                              f"of layouts of {args.nproc} ranks, e.g. --suite 'dp={args.nproc};fsdp={args.nproc}'")
+        if args.suite == DEFAULT_SUITE:
+            from shardshift.models import model_spec
+
+            return _layouts(EXPERT_SUITE if model_spec(args.model).expert_modules else DEFAULT_SUITE)
         return _layouts(args.suite)
     if args.source is None or args.target is None:
         raise ValueError("give --from LAYOUT and --to LAYOUT, or --suite for the default chain")
