@@ -33,9 +33,11 @@ report once rank 0 has written its figures there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from shardshift.bench.calibration import usable_cores
+from shardshift.console import say
 from shardshift.data.corpus import ShardFiles, TokenArray, load_tokens, open_corpus, vocabulary
 from shardshift.data.manifest import DataManifest
 from shardshift.data.prepare import batches, find_inputs, prepare, read_documents
@@ -285,8 +288,15 @@ def run(opts: DataBenchOptions, argv: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="shardshift-bench-data-") as tmp:
         work = Path(tmp)
-        inputs = opts.inputs or (str(write_corpus(work / "corpus.jsonl", opts.corpus_bytes)),)
-        prepared, data = measure_prepare(opts, inputs, work)
+        came: list[int] = []
+        with _stopped_by_signals(came):  # SIGTERM or SIGHUP while preparing: the directory is removed
+            try:
+                inputs = opts.inputs or (str(write_corpus(work / "corpus.jsonl", opts.corpus_bytes)),)
+                prepared, data = measure_prepare(opts, inputs, work)
+            except KeyboardInterrupt:
+                signum = came[0] if came else signal.SIGINT
+                say(f"shardshift: bench data stopped by {signal.Signals(signum).name}", "stderr")
+                return 128 + signum
         data.rename(work / DATA)
         check_trainable(opts, work / DATA)
         code = launch(opts.nproc, [*argv, "--workdir", str(work)], preload=(__name__,), timeout_s=opts.timeout_s)
@@ -295,6 +305,21 @@ def run(opts: DataBenchOptions, argv: list[str]) -> int:
         training = json.loads((work / FIGURES).read_text())
     report(opts, prepared, _training_figures(opts, training))
     return 0
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(came: list[int]):
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread (noted in `came`) while inside."""
+    def stop(signum, frame):
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    before = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 # ---- the training part, on the ranks ---------------------------------------------------------------

@@ -94,3 +94,28 @@ def test_bad_input_is_refused_in_one_line(budget, argv, says):
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert run.stderr.startswith("shardshift: error: ") and run.stderr.count("\n") == 1, run.stderr
     assert says in run.stderr, run.stderr
+
+
+def test_a_stop_signal_while_preparing_removes_the_bench_directory(budget, tmp_path):
+    """SIGTERM during the prepare part (a corpus large enough to take seconds): exit 128 + 15, one
+    line, and no `shardshift-bench-data-*` directory left in the temporary directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "shardshift", "bench", "data", "--corpus-size", "64M",
+                             "--tokenizer", "bpe:4096", "--model", "test"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("shardshift-bench-data-*/corpus.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("shardshift-bench-data-*")), "the bench never started preparing"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=budget.left())
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "bench data stopped by SIGTERM" in err and "Traceback" not in err, err[-2000:]
+    assert not list(tmp_path.glob("shardshift-bench-data-*"))
