@@ -32,6 +32,7 @@ import numpy as np
 from shardshift.console import ProgressLine
 from shardshift.data.manifest import DataManifest, DataSplit, Shard, dtype_for, shard_name
 from shardshift.data.tokenizer import Tokenizer, check_bpe_spec, tokenizer_from_flag
+from shardshift.files import pid_alive, sync_directory
 from shardshift.textfile import FileError, decode_text, read_bytes
 
 FLAG = "--input"
@@ -118,7 +119,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, *, fi
             raise
     finally:
         meter.close()
-    _sync_directory(out.parent)
+    sync_directory(out.parent)
     return Prepared(out, manifest, time.monotonic() - start, sum(s.size for s in sources))
 
 
@@ -178,7 +179,7 @@ def _write(partial: Path, sources: list[InputFile], model: Tokenizer, field: str
     manifest = DataManifest.build(entry, dtype, splits, inputs, field if any(s.lines for s in sources) else None,
                               val_fraction)
     manifest.write(partial)
-    _sync_directory(partial)
+    sync_directory(partial)
     return manifest
 
 
@@ -460,7 +461,7 @@ def _claim(out: Path) -> Path:
     prefix = f"{out.name}.partial-"
     for name in os.listdir(parent):
         pid = name[len(prefix):]
-        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(parent / name, ignore_errors=True)
     partial = parent / f"{prefix}{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)  # left by an earlier process of this pid
@@ -468,20 +469,3 @@ def _claim(out: Path) -> Path:
     return partial
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sync_directory(path: Path) -> None:
-    """Make a rename or new files in directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -12,6 +12,7 @@ import sys
 import threading
 from typing import Protocol
 
+from shardshift.files import pid_alive
 from shardshift.netemu.shaping import DEFAULT_PREFIX, check_prefix, parse_network_name
 
 COMMAND_TIMEOUT_S = 60.0
@@ -64,16 +65,6 @@ def run_command(argv: list[str], *, what: str, input: str | None = None,
             f"{result.stderr.strip()} (link emulation needs root and iproute2 with netns, veth, "
             f"bridge, HTB and u32 support)")
     return result
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def register(net: Closable) -> None:

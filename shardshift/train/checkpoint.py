@@ -26,7 +26,6 @@ checkpoint whose replacement a crash kept from being renamed in.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from shardshift.files import sync_directory
 from shardshift.train.catalog import (
     FORMAT,
     PARTIAL_PREFIX,
@@ -102,11 +102,7 @@ def _publish(partial: Path, final: Path) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         final.rename(replaced)
     partial.rename(final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    sync_directory(final.parent)
     shutil.rmtree(replaced, ignore_errors=True)
 
 
