@@ -7,7 +7,9 @@ in. DIR then holds what ``save_pretrained`` writes and ``transformers``' ``from_
 
 - ``config.json``: the model's `ModelSpec.hf_config`, its ``dtype`` the tensors' own;
 - ``model.safetensors``: every parameter, whole, under its Hugging Face name (a tied head is the
-  embeddings' tensor, saved once, as transformers saves it).
+  embeddings' tensor, saved once, as transformers saves it); a spec whose parameters are held
+  otherwise than the Hugging Face checkpoint holds them maps them with its ``hf_state_dict`` (the
+  mixture of experts: one matrix per expert, `models.moe.hf`).
 
 A model with no Hugging Face form (``hf_config()`` is None: the GPT) is refused in one line, as is
 a DIR that exists already. The files are written into a hidden sibling of DIR and renamed to DIR
@@ -73,13 +75,16 @@ def export(where: str, out: str) -> Export:
     config = spec.hf_config()
     if config is None:
         raise ValueError(f"--resume {choice.path}: its model {manifest.run.model!r} has no Hugging Face form; export "
-                         f"takes a model that has one (the llama family, or --model hf:DIR)")
+                         f"takes a model that has one (the llama family, moe-tiny, moe-small, or --model hf:DIR)")
     if importlib.util.find_spec("safetensors") is None:
         raise ValueError(f"export writes safetensors, which is not installed: {INSTALL}")
     from safetensors.torch import save_file
 
     dtype = torch_dtype("float32" if manifest.run.dtype == "bfloat16" else manifest.run.dtype)
     tensors = read_parameters(spec, choice.path, dtype)
+    to_hf = getattr(spec, "hf_state_dict", None)  # only where the names or shapes differ from Hugging Face's
+    if to_hf is not None:
+        tensors = to_hf(tensors)
     dtype_name = str(dtype).removeprefix("torch.")
     config = {**config, "dtype": dtype_name, **({"torch_dtype": dtype_name} if "torch_dtype" in config else {})}
 

@@ -25,6 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from shardshift.models.moe.hf import MOE_ARCHITECTURES
 from shardshift.textfile import FileError, read_json
 
 # model_type -> the transformers class that builds it. Each is a decoder of the Llama family
@@ -44,10 +45,26 @@ MAX_SEQ_LEN = 256  # the sequence length trained on: max_position_embeddings, at
 INSTALL = "pip install 'shardshift[hf]'"
 
 
-def require_transformers(name: str) -> None:
-    """ValueError naming the extra to install, unless transformers and safetensors can be imported.
-    Only looked up (not imported): importing transformers' models costs seconds."""
-    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+def supported() -> str:
+    """The model types ``hf:DIR`` takes, with their classes, for messages."""
+    return ", ".join(f"{t} ({c})" for t, c in {**ARCHITECTURES, **MOE_ARCHITECTURES}.items())
+
+
+def config_size(fields: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """The whole number >= 1 that config.json `fields` give `key` (`default` where absent or null);
+    ValueError naming `where` and the key otherwise."""
+    value = fields.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {key} is {value!r}; it must be a whole number >= 1")
+    return value
+
+
+def require_transformers(name: str, modules: tuple[str, ...] = ("transformers", "safetensors")) -> None:
+    """ValueError naming the extra to install, unless `modules` can be imported. Only looked up (not
+    imported): importing transformers' models costs seconds."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"--model {name} needs {' and '.join(missing)}, not installed here: {INSTALL}")
 
@@ -80,16 +97,10 @@ class HFConfig:
                              f"config.json (as save_pretrained writes it)")
         model_type = fields.get("model_type")
         if model_type not in ARCHITECTURES:
-            supported = ", ".join(f"{t} ({c})" for t, c in ARCHITECTURES.items())
-            raise ValueError(f"{where}: model_type {model_type!r} has no plan in ShardShift; supported: {supported}")
+            raise ValueError(f"{where}: model_type {model_type!r} has no plan in ShardShift; supported: {supported()}")
 
         def size(key: str, default: int | None = None) -> int:
-            value = fields.get(key, default)
-            if value is None and default is not None:
-                value = default
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where}: {key} is {value!r}; it must be a whole number >= 1")
-            return value
+            return config_size(fields, key, where, default)
 
         hidden, heads = size("hidden_size"), size("num_attention_heads")
         if fields.get("head_dim") is not None:
@@ -178,19 +189,18 @@ def num_params(cfg: HFConfig) -> int:
     return sum(math.prod(shape) for shape in param_shapes(cfg).values())
 
 
-def read_config(directory: str, name: str) -> HFConfig:
-    """The configuration in `directory`'s config.json; ValueError naming `name` (``hf:DIR``) when
-    the directory or its config.json is missing, unreadable or not a supported configuration."""
+def read_fields(directory: str, name: str) -> Any:
+    """The JSON value of `directory`'s config.json; ValueError naming `name` (``hf:DIR``) when the
+    directory or its config.json is missing or unreadable."""
     root = Path(directory)
     if not root.is_dir():
         raise ValueError(f"--model {name}: {'not a directory' if root.exists() else 'no such directory'}; give a "
                          f"directory holding a Hugging Face {CONFIG} (as save_pretrained writes it)")
     try:
-        fields = read_json(root / CONFIG, "--model", "a Hugging Face config.json (as save_pretrained writes it)")
+        return read_json(root / CONFIG, "--model", "a Hugging Face config.json (as save_pretrained writes it)")
     except FileError as err:
         raise ValueError(f"--model {name}: its {CONFIG}: {err.problem}; give a Hugging Face {CONFIG} "
                          f"(as save_pretrained writes it)") from None
-    return HFConfig.from_fields(fields, f"--model {name}: {CONFIG}")
 
 
 def weight_files(directory: str) -> dict[str, str]:

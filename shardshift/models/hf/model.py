@@ -108,11 +108,10 @@ def build(cfg: HFConfig) -> HFCausalLM:
 
 
 def initial_value(cfg: HFConfig, file: str | None, fqn: str, shape: torch.Size, dtype: torch.dtype,
-               seed: int) -> torch.Tensor:
+                  seed: int) -> torch.Tensor:
     """The initial value of parameter `fqn`, whole: the tensor saved in `file` (a safetensors file,
-    read lazily: only this tensor), else a function of (seed, fqn) alone, so that every layout
-    starts from the same weights: zeros for biases, ones for norms' gains, normal(0,
-    initializer_range) for matrices (the padding token's embedding zero, as transformers does)."""
+    read lazily: only this tensor), else `seeded_value`, so that every layout starts from the same
+    weights."""
     if file is not None:
         from safetensors import safe_open
 
@@ -121,14 +120,22 @@ def initial_value(cfg: HFConfig, file: str | None, fqn: str, shape: torch.Size, 
         if tuple(saved.shape) != tuple(shape):
             raise ValueError(f"{file}: {fqn} has shape {list(saved.shape)}, the model {list(shape)}")
         return saved.to(dtype)
+    return seeded_value(fqn, shape, dtype, seed, cfg.initializer_range, cfg.pad_token_id)
+
+
+def seeded_value(fqn: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: float,
+                 pad_token_id: int | None) -> torch.Tensor:
+    """Parameter `fqn`'s value as transformers initialises it, a function of (seed, fqn) alone:
+    zeros for biases, ones for norms' gains, normal(0, `std`) for matrices (the padding token's
+    embedding zero)."""
     module, leaf = fqn.split(".")[-2:]
     if leaf == "bias":
         return torch.zeros(shape, dtype=dtype)
     if module.endswith("norm"):  # input_layernorm, post_attention_layernorm, norm, q_norm, k_norm
         return torch.ones(shape, dtype=dtype)
-    value = seeded_normal(fqn, shape, torch.float64, seed, cfg.initializer_range)
-    if module == "embed_tokens" and cfg.pad_token_id is not None:
-        value[cfg.pad_token_id] = 0
+    value = seeded_normal(fqn, shape, torch.float64, seed, std)
+    if module == "embed_tokens" and pad_token_id is not None:
+        value[pad_token_id] = 0
     return value.to(dtype)
 
 

@@ -32,10 +32,12 @@ from shardshift.models.hf.config import (
     HFConfig,
     check_weights,
     num_params,
-    read_config,
+    read_fields,
     require_transformers,
     weight_files,
 )
+from shardshift.models.hf.moe import HFMoESpec
+from shardshift.models.moe.hf import MOE_ARCHITECTURES
 from shardshift.models.spec import TP_STYLES, ModelSpec, PipelineSplit
 
 PREFIX = "hf:"
@@ -51,13 +53,17 @@ class HFSpec(ModelSpec):
     weights: tuple[tuple[str, str], ...] = ()  # (parameter, safetensors file) to start from; (): from the seed
 
     @classmethod
-    def from_name(cls, name: str) -> HFSpec:
+    def from_name(cls, name: str) -> HFSpec | HFMoESpec:
         """The model of ``hf:DIR``, its weights checked against its configuration; ValueError saying
-        what is missing or wrong, and what to do."""
+        what is missing or wrong, and what to do. A mixture of experts (`moe.hf.MOE_ARCHITECTURES`)
+        is ShardShift's own (`hf.moe.HFMoESpec`)."""
         directory = name[len(PREFIX):]
         if not directory:
             raise ValueError(f"--model {name}: give the directory after hf:, e.g. --model hf:runs/qwen")
-        config = read_config(directory, name)
+        fields = read_fields(directory, name)
+        if isinstance(fields, dict) and fields.get("model_type") in MOE_ARCHITECTURES:
+            return HFMoESpec.from_directory(name, os.path.abspath(directory), fields)
+        config = HFConfig.from_fields(fields, f"--model {name}: {CONFIG}")
         require_transformers(name)
         directory = os.path.abspath(directory)  # the same model, and files, from any working directory
         files = weight_files(directory)
@@ -66,8 +72,10 @@ class HFSpec(ModelSpec):
         return cls(PREFIX + directory, config, tuple(sorted(files.items())))
 
     @classmethod
-    def from_config(cls, name: str, config: Mapping[str, Any]) -> HFSpec:
+    def from_config(cls, name: str, config: Mapping[str, Any]) -> HFSpec | HFMoESpec:
         """The model a checkpoint recorded (its name and config.json), with no directory needed."""
+        if config.get("model_type") in MOE_ARCHITECTURES:
+            return HFMoESpec.from_recorded(name, dict(config))
         require_transformers(name)
         return cls(name, HFConfig.from_fields(dict(config), f"{name}: the recorded {CONFIG}"))
 

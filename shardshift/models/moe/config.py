@@ -9,6 +9,7 @@ is the sequence length the model trains on.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from shardshift.models.llama.config import VOCAB_SIZE, LlamaConfig
 
@@ -30,8 +31,25 @@ class MoEConfig:
     vocab_size: int = VOCAB_SIZE
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    head_dim: int | None = None  # the width of one attention head; None: hidden_size / n_heads
 
     def __post_init__(self) -> None:
+        if self.head_dim is None and self.n_heads >= 1 and self.hidden_size % self.n_heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)  # frozen: set once, while built
+        for name in ("n_layers", "n_heads", "n_kv_heads", "hidden_size", "seq_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model {name}={getattr(self, name)} must be >= 1")
+        if self.head_dim is None:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by n_heads={self.n_heads}; give "
+                             f"head_dim, or a hidden_size that is a multiple of n_heads")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is not an even number >= 2; rotary embeddings rotate pairs "
+                             f"of dims: choose an even head_dim")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: each key-value "
+                             f"head serves a whole group of query heads; choose n_kv_heads dividing n_heads")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
         if self.num_experts < 1:
             raise ValueError(f"model num_experts={self.num_experts} must be >= 1")
         if not 1 <= self.top_k <= self.num_experts:
@@ -42,27 +60,39 @@ class MoEConfig:
                              f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} >= 0 (0: none)")
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"model router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
-        self.llama(self.moe_intermediate_size)  # the Llama's checks of the heads, the sizes, the eps and theta
+        if self.shared_expert_intermediate_size:
+            self.llama(self.shared_expert_intermediate_size)  # the shared expert is the Llama's MLP: its checks
 
     def llama(self, intermediate_size: int) -> LlamaConfig:
-        """The Llama of these sizes with an MLP of width `intermediate_size`: its attention, rotary
-        embedding and norms are this model's, and its MLP is a (shared) expert of that width."""
+        """The Llama of these sizes whose MLP, of width `intermediate_size`, is the shared expert."""
         return LlamaConfig(n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                            hidden_size=self.hidden_size, intermediate_size=intermediate_size, seq_len=self.seq_len,
                            vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the model (`model.MoE`), by name, with its shape, in the model's order."""
+        h, i, e, d = self.hidden_size, self.moe_intermediate_size, self.num_experts, self.head_dim
+        q, kv, shared = self.n_heads * d, self.n_kv_heads * d, self.shared_expert_intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for layer in range(self.n_layers):
+            p = f"model.layers.{layer}."
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+            shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj": (e, i, h),
+                           p + "mlp.experts.up_proj": (e, i, h), p + "mlp.experts.down_proj": (e, h, i)})
+            if shared:
+                shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h),
+                               p + "mlp.shared_expert.up_proj.weight": (shared, h),
+                               p + "mlp.shared_expert.down_proj.weight": (h, shared),
+                               p + "mlp.shared_expert_gate.weight": (1, h)})
+            shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        shapes.update({"model.norm.weight": (h,), "lm_head.weight": (self.vocab_size, h)})
+        return shapes
 
     def num_params(self) -> int:
-        h, v, e = self.hidden_size, self.vocab_size, self.num_experts
-        kv = self.n_kv_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv + (2 * self.head_dim if self.qk_norm else 0)
-        experts = e * h + 3 * e * self.moe_intermediate_size * h  # the router and the stacked experts
-        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
-        layer = attention + experts + shared + 2 * h  # and two norms
-        return 2 * v * h + self.n_layers * layer + h  # embeddings, layers, final norm, head
+        return sum(math.prod(shape) for shape in self.param_shapes().values())
 
 
 # Named sizes. `moe-test` is the tests' model: its shards split unevenly (13 positions, 5 layers, a

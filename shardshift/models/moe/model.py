@@ -1,8 +1,9 @@
 """A Qwen3-MoE-style decoder, written with no parallelism inside it, under Hugging Face's names.
 
-Embeddings, attention, norms, the rotary embedding and the head are the Llama family's
-(`models.llama.model`), with Qwen3's optional RMSNorm over each query and key head (``q_norm``,
-``k_norm``, before the rotation). The MLP of every layer is a sparse mixture of experts,
+Embeddings, norms, the rotary embedding and the head are the Llama family's (`models.llama.model`);
+attention is the Llama's with heads of ``head_dim`` (Qwen3's and Mixtral's may differ from hidden /
+heads) and Qwen3's optional RMSNorm over each query and key head (``q_norm``, ``k_norm``, before
+the rotation). The MLP of every layer is a sparse mixture of experts,
 ``model.layers.{i}.mlp`` (`SparseMoEBlock`):
 
 - a router ``mlp.gate`` (a bias-free linear, hidden -> E); a softmax over the E experts, in float32
@@ -57,25 +58,34 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardshift.models.init import seeded_normal
-from shardshift.models.llama.config import LlamaConfig
-from shardshift.models.llama.model import LlamaAttention, LlamaMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from shardshift.models.llama.model import LlamaMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from shardshift.models.moe.config import MoEConfig
 
 
-class MoEAttention(LlamaAttention):
-    """The Llama's attention with Qwen3's RMSNorm over each query and key head (``q_norm``,
-    ``k_norm``: one gain per dim of a head), applied before the rotation."""
+class MoEAttention(nn.Module):
+    """The Llama's grouped-query attention with heads of ``head_dim`` (which may differ from
+    hidden_size / n_heads) and, with ``qk_norm``, Qwen3's RMSNorm over each query and key head
+    (``q_norm``, ``k_norm``: one gain per dim of a head), applied before the rotation."""
 
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__(cfg)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        h, q, kv = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q, bias=False)
+        self.k_proj = nn.Linear(h, kv, bias=False)
+        self.v_proj = nn.Linear(h, kv, bias=False)
+        self.o_proj = nn.Linear(q, h, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # (b, t, heads * head_dim) -> (b, t, heads, head_dim), normed per head -> (b, heads, t, head_dim)
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
         group = q.shape[1] // k.shape[1]  # key-value head j serves query heads j * group .. (j + 1) * group - 1
@@ -198,8 +208,7 @@ def balance_terms(stats: torch.Tensor, n_layers: int, seq_len: int) -> torch.Ten
 class MoEDecoderLayer(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        dense = cfg.llama(cfg.moe_intermediate_size)
-        self.self_attn = MoEAttention(dense) if cfg.qk_norm else LlamaAttention(dense)
+        self.self_attn = MoEAttention(cfg)
         self.mlp = SparseMoEBlock(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -218,7 +227,7 @@ class MoEModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): MoEDecoderLayer(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.llama(cfg.moe_intermediate_size))
+        self.rotary_emb = RotaryEmbedding(cfg)  # it reads head_dim and rope_theta, which MoEConfig has as LlamaConfig
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (b, t) -> hidden states (b, t, h) and the layers' summed statistics (b, 2E); on a

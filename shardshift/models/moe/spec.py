@@ -130,3 +130,17 @@ class MoESpec(ModelSpec):
         logits, stats = output
         balance = balance_terms(stats, self.config.n_layers, logits.shape[1]).mean()
         return next_token_loss(logits, targets) + self.config.router_aux_loss_coef * balance
+
+    def hf_config(self) -> dict[str, Any] | None:
+        """The ``config.json`` of ``Qwen3MoeForCausalLM`` (per-head norms) or ``MixtralForCausalLM``
+        (none) with this model's parameters; None with a shared expert (`moe.hf.hf_config_fields`)."""
+        from shardshift.models.moe.hf import hf_config_fields
+
+        return hf_config_fields(self.config)
+
+    def hf_state_dict(self, params):
+        """`params` (name -> whole tensor) under the names and shapes of `hf_config`'s checkpoint, as
+        ``save_pretrained`` writes it: one matrix per expert (`moe.hf.to_saved`)."""
+        from shardshift.models.moe.hf import to_saved
+
+        return to_saved(self.hf_config()["model_type"], params)
