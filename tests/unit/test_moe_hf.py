@@ -11,7 +11,7 @@ transformers computes RMSNorm, the rotary angles and the router's softmax in flo
 model's dtype: float64 logits differ from ours by about 1e-7 relative (measured; asserted below
 1e-6); with those three computed in float64 (`support.hf.moe_in_float64`, transformers' formulas
 without the casts) they agree to 1e-9. Training under layouts and ``shardshift export`` are in
-tests/dist/test_moe_hf.py.
+tests/dist/test_moe_hf_training.py.
 """
 
 from __future__ import annotations
