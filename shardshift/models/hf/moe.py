@@ -84,13 +84,12 @@ def moe_config(fields: dict[str, Any], where: str) -> MoEConfig:
         raise ValueError(f"{where}: num_experts_per_tok={top_k} is more than the {experts} experts; give at most "
                          f"{experts}")
     _refuse_what_it_does_not_compute(fields, model_type, layers, seq_len, where)
-    rope = fields.get("rope_parameters") or {}
-    norm_topk_prob = value("norm_topk_prob")
-    if model_type == "mixtral":
-        norm_topk_prob = True  # transformers' MixtralTopKRouter renormalises whatever config.json says
+    rope = _mapping(fields.get("rope_parameters"))
+    # transformers' MixtralTopKRouter renormalises whatever config.json says.
+    norm_topk_prob = model_type == "mixtral" or bool(value("norm_topk_prob"))
     try:
         return MoEConfig(n_layers=layers, n_heads=heads, n_kv_heads=kv, hidden_size=hidden, num_experts=experts,
-                         top_k=top_k, moe_intermediate_size=width, seq_len=seq_len, norm_topk_prob=bool(norm_topk_prob),
+                         top_k=top_k, moe_intermediate_size=width, seq_len=seq_len, norm_topk_prob=norm_topk_prob,
                          router_aux_loss_coef=float(value("router_aux_loss_coef")),
                          qk_norm=model_type == "qwen3_moe", vocab_size=vocab,
                          rms_norm_eps=float(value("rms_norm_eps")),
@@ -120,7 +119,7 @@ def _refuse_what_it_does_not_compute(fields: dict[str, Any], model_type: str, la
     if window is not None and window < seq_len:
         raise ValueError(f"{where}: sliding_window={window} is shorter than the sequence ({seq_len} positions), but "
                          f"{model} attends to every earlier position; give a model without a sliding window")
-    rope, scaling = fields.get("rope_parameters") or {}, fields.get("rope_scaling") or {}
+    rope, scaling = _mapping(fields.get("rope_parameters")), _mapping(fields.get("rope_scaling"))
     rope_type = rope.get("rope_type") or rope.get("type") or scaling.get("rope_type") or scaling.get("type")
     if rope_type not in (None, "default"):
         raise ValueError(f"{where}: rope_parameters rope_type is {rope_type!r}, but {model} rotates by rope_theta "
@@ -133,6 +132,11 @@ def _refuse_what_it_does_not_compute(fields: dict[str, Any], model_type: str, la
         if got != expected:
             raise ValueError(f"{where}: {key} is {json.dumps(got)}, which {model} does not compute; give a model "
                              f"with {key} {json.dumps(expected)}")
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """A config.json entry that holds an object (RoPE's parameters), or {} when it holds none."""
+    return value if isinstance(value, dict) else {}
 
 
 def check_moe_weights(model_type: str, cfg: MoEConfig, files: dict[str, str], where: str) -> None:

@@ -17,6 +17,9 @@ itself is transformers' own (`model.py`), under Hugging Face's parameter names:
 
 A checkpoint records the whole config.json (`config_dict`); `with_config` and `from_config` build
 the spec back from it, with no directory: the weights then come from the checkpoint.
+
+A mixture of experts (``qwen3_moe``, ``mixtral``) is not transformers' model: `from_name` and
+`from_config` give ShardShift's own for it (`moe.HFMoESpec`).
 """
 
 from __future__ import annotations
