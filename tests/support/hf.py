@@ -1,6 +1,7 @@
 """Hugging Face model directories for tests: small random models of each supported architecture,
 written by transformers' own ``save_pretrained`` (config.json and model.safetensors), as a user's
-directory would be."""
+directory would be; and, for the mixtures of experts, transformers' model read back in float64
+(`load_moe`) and made to compute in float64 what it computes in float32 (`moe_in_float64`)."""
 
 from __future__ import annotations
 
