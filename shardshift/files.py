@@ -1,14 +1,14 @@
-"""Small facts about files and processes that several writers rely on: a directory synced so that
-what was renamed or created in it survives a crash, and whether a process (the owner of a partial
-directory or a stale lock) is still alive."""
+"""Small facts about files and processes that several writers rely on: a file or a directory synced
+so that what was written, renamed or created in it survives a crash, and whether a process (the
+owner of a partial directory or a stale lock) is still alive."""
 
 from __future__ import annotations
 
 import os
 
 
-def sync_directory(path: str | os.PathLike) -> None:
-    """Make the renames and new files in directory `path` durable (fsync of the directory)."""
+def fsync_path(path: str | os.PathLike) -> None:
+    """Make what was written to file `path`, or renamed and created in directory `path`, durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -32,7 +32,7 @@ import numpy as np
 from shardshift.console import ProgressLine
 from shardshift.data.manifest import DataManifest, DataSplit, Shard, dtype_for, shard_name
 from shardshift.data.tokenizer import Tokenizer, check_bpe_spec, tokenizer_from_flag
-from shardshift.files import pid_alive, sync_directory
+from shardshift.files import fsync_path, pid_alive
 from shardshift.textfile import FileError, decode_text, read_bytes
 
 FLAG = "--input"
@@ -119,7 +119,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str | os.PathLike, *, fi
             raise
     finally:
         meter.close()
-    sync_directory(out.parent)
+    fsync_path(out.parent)
     return Prepared(out, manifest, time.monotonic() - start, sum(s.size for s in sources))
 
 
@@ -179,7 +179,7 @@ def _write(partial: Path, sources: list[InputFile], model: Tokenizer, field: str
     manifest = DataManifest.build(entry, dtype, splits, inputs, field if any(s.lines for s in sources) else None,
                               val_fraction)
     manifest.write(partial)
-    sync_directory(partial)
+    fsync_path(partial)
     return manifest
 
 

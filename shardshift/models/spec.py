@@ -136,6 +136,12 @@ class ModelSpec(abc.ABC):
         has no Hugging Face form."""
         return None
 
+    def hf_state_dict(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`params` (name -> whole tensor) under the names and shapes of `hf_config`'s checkpoint,
+        as ``save_pretrained`` writes it (``shardshift export``). The default: unchanged, for a
+        model whose parameters carry that architecture's names and shapes already."""
+        return params
+
     # ---- torch ---------------------------------------------------------------------------------
 
     @abc.abstractmethod

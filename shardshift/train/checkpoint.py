@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from shardshift.files import sync_directory
+from shardshift.files import fsync_path
 from shardshift.train.catalog import (
     FORMAT,
     PARTIAL_PREFIX,
@@ -102,7 +102,7 @@ def _publish(partial: Path, final: Path) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         final.rename(replaced)
     partial.rename(final)
-    sync_directory(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(replaced, ignore_errors=True)
 
 

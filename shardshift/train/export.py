@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from shardshift.files import fsync_path
 from shardshift.models.spec import ModelSpec
 from shardshift.train.catalog import Manifest
 from shardshift.train.config import torch_dtype
@@ -82,9 +82,7 @@ def export(where: str, out: str) -> Export:
 
     dtype = torch_dtype("float32" if manifest.run.dtype == "bfloat16" else manifest.run.dtype)
     tensors = read_parameters(spec, choice.path, dtype)
-    to_hf = getattr(spec, "hf_state_dict", None)  # only where the names or shapes differ from Hugging Face's
-    if to_hf is not None:
-        tensors = to_hf(tensors)
+    tensors = spec.hf_state_dict(tensors)
     dtype_name = str(dtype).removeprefix("torch.")
     config = {**config, "dtype": dtype_name, **({"torch_dtype": dtype_name} if "torch_dtype" in config else {})}
 
@@ -97,19 +95,11 @@ def export(where: str, out: str) -> Export:
             f.write("\n")
         save_file(tensors, str(partial / WEIGHTS), metadata={"format": "pt"})
         for name in (CONFIG, WEIGHTS):
-            _sync(partial / name)
+            fsync_path(partial / name)
         partial.rename(target)
-        _sync(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return Export(target, choice.path, manifest, len(tensors), nbytes)
-
-
-def _sync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
