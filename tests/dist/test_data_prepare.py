@@ -29,9 +29,12 @@ def corpus(tmp_path_factory):
 
 
 def _start(corpus, out) -> subprocess.Popen:
+    """The command, started as from a terminal: with SIGINT's default action, even where this test
+    runs with SIGINT ignored (a job started in the background), which the command would inherit."""
     return subprocess.Popen([sys.executable, "-m", "shardshift", "data", "prepare", "--input", str(corpus),
                              "--tokenizer", "bytes", "--out", str(out), "--shard-tokens", "1M"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _midway(job: subprocess.Popen, out, budget) -> os.PathLike:
