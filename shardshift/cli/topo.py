@@ -3,7 +3,7 @@
     shardshift topo pack --preset dgx1v --gpus 0,1,2,3,4,5 --op allreduce [--json]
     shardshift topo pack --topology lab.yaml --op broadcast --root 2
     shardshift topo show --preset fat-tree --hosts 16 --hosts-per-leaf 4 [--json]
-    shardshift topo draw --preset dgx1v --gpus 0,1,2,3 --op broadcast [-o FILE.png] [--size WxH]
+    shardshift topo draw --preset dgx1v --gpus 0,1,2,3 --op broadcast [-o FILE.png] [--size WxH] [--trees N]
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ def register(subparsers) -> None:
     add_topology_arguments(show)
     show.add_argument("--json", action="store_true", help="print one JSON object")
     show.set_defaults(func=run_show)
-    draw = sub.add_parser("draw", help="draw a topology and the trees packed on it for a collective (PNG)")
+    draw = sub.add_parser("draw", help="draw the load a collective's packed trees put on each link, and "
+                                       "the heaviest trees (PNG)")
     add_topology_arguments(draw)
     _add_packing_arguments(draw)
     _add_picture_arguments(draw)
+    draw.add_argument("--trees", type=int, default=6, metavar="N",
+                      help="draw the N heaviest trees (all-reduce: tree pairs) in panels of their own (default 6)")
     draw.set_defaults(func=run_draw)
 
 
@@ -225,13 +228,15 @@ def run_draw(args: argparse.Namespace) -> int:
 
     out = Path(args.output if args.output is not None else f"topology-{args.op}.png")
     try:
+        if args.trees < 1:
+            raise ValueError(f"--trees {args.trees}: give at least 1 (the trees drawn in panels of their own)")
         size = parse_pixels(args.size)
         check_drawable(out, "-o")
         topology, packing = packing_from_args(args)
-        drawn = draw_packing(topology, packing, out, size)
+        drawn = draw_packing(topology, packing, out, size, args.trees)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({size[0]}x{size[1]}): {packing.op.value} on {topology.name}, {len(drawn.trees)} trees, "
-          f"rate {packing.rate / 1e9:.4g} GB/s")
+    print(f"wrote {out} ({size[0]}x{size[1]}): {packing.op.value} on {topology.name}, {len(packing.trees)} trees "
+          f"({len(drawn.panels)} drawn apart), rate {packing.rate / 1e9:.4g} GB/s")
     return 0

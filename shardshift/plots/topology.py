@@ -1,15 +1,25 @@
-"""A topology and the trees packed on it, as a picture (`shardshift topo draw`).
+"""A packing on its topology, as a picture (`shardshift topo draw`): which links carry what.
 
-Ranks sit on a circle in rank order; a switch sits inside it, on a smaller circle the more hops it
-is from the nearest rank (a fat-tree's leaves inside its hosts, its spines inside its leaves), in
-the angular order of the nodes it links to, so that short links stay short. The links are grey,
-thicker for more capacity. Every tree of the packing has its own colour and a line per tree
-edge, along the edge's physical path through switches; its width grows with the tree's rate
-(`Tree.weight`), an arrowhead shows which way the data goes, and the trees that share a link are
-drawn side by side, shifted across it. The legend gives each tree's root, direction and rate.
+The main panel is the load on every link. Ranks sit on a circle in rank order; a switch sits
+inside it, on a smaller circle the more hops it is from the nearest rank (a fat-tree's leaves
+inside its hosts, its spines inside its leaves), in the angular order of the nodes it links to, so
+that short links stay short. Every directed link is one straight line, shifted to its left as
+seen travelling along it, so that the two directions of a pair lie side by side, with an
+arrowhead half-way. A line's width is proportional to the rate the packing puts on the link (the
+sum over trees of the tree's weight times the number of its edges whose path crosses the link);
+its colour is the fraction of the link's capacity that rate uses (the colorbar). A link the
+packing leaves idle is a thin grey dashed line.
 
-`draw_packing` returns a `PackingFigure`: where each node was drawn and, per tree, the edges,
-colour and width it was drawn with.
+Beside it, one small panel per piece of the packing (`Packing.pieces`: a tree, or for all-reduce
+an IN tree and the OUT tree that carries the same data on), the heaviest first, shows that
+piece's edges along their physical paths on the same layout, titled with its root and rate; the
+pieces not shown are summed in one note. The figure's title gives the op, the rate, the bound and
+their ratio, in GB/s and link units as `topo pack` prints them.
+
+`draw_packing` returns a `PackingFigure`: where each node was drawn, per link the rate, width and
+colour value drawn, and the pieces shown. The main panel's axes have the gid ``"links"`` and its
+lines ``"link SRC->DST"``; panel i's axes ``"tree panel i"`` and its lines ``"tree T A->B"`` (T
+the tree's index in `Packing.trees`, A->B the tree edge whose path the line follows).
 """
 
 from __future__ import annotations
@@ -21,35 +31,49 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shardshift.collectives.planning.ops import Collective, Direction
 from shardshift.collectives.topology.model import Topology
-from shardshift.plots.canvas import DEFAULT_PIXELS, DPI, new_figure, palette, save_png
+from shardshift.plots.canvas import DEFAULT_PIXELS, new_figure, save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure, SubFigure
 
-    from shardshift.collectives.planning.trees import Packing, Tree
+    from shardshift.collectives.planning.trees import Packing, Piece
 
-MAX_LEGEND = 16  # trees named in the legend; more are counted in one line
-# Every tree has a lane: its lines are shifted across each link by the lane's offset, the same
-# on every link, so that a tree can be followed and trees that share a link lie side by side.
-# A lane is this wide, in radii of the rank circle, while all lanes together stay within _SPREAD.
-_LANE, _SPREAD = 0.025, 0.3
-_WIDEST = 6.0  # points: the line of the heaviest tree, at most
+DEFAULT_PANELS = 6  # pieces drawn in panels of their own
+IDLE_WIDTH = 0.8  # points: the dashed line of a link that carries nothing
+_IDLE_COLOR = (0.6, 0.6, 0.6, 1.0)
+_LIMIT = 1.15  # the axes show [-_LIMIT, _LIMIT]² of data units: the rank circle and its nodes
+_SHIFT = 0.035  # data units: each directed line's offset to its left in the main panel
+_WIDEST = 14.0  # points: the widest link line, at most
+# The load colours: YlOrRd without its palest fifth, so a lightly used link still shows on white.
+_LOAD_MAP, _LOAD_FROM = "YlOrRd", 0.2
+# A panel's IN and OUT tree edges: tab10's blue and green, apart from the load colours.
+_TOWARDS_ROOT, _FROM_ROOT = (0.12, 0.47, 0.71, 1.0), (0.17, 0.63, 0.17, 1.0)
 
 
 @dataclass(frozen=True)
-class TreeDrawing:
-    """How one tree of the packing was drawn."""
+class LinkDrawing:
+    """One directed link of the main panel, as drawn."""
 
-    index: int  # its place in `Packing.trees`
-    root: int
-    direction: str  # "out" (from the root) or "in" (towards it)
-    rate: float  # bytes/s, the tree's weight
+    src: int  # node ids
+    dst: int
+    capacity: float  # bytes/s
+    rate: float  # bytes/s the packing puts on the link
+    fraction: float  # rate / capacity: the colour's value on the colorbar
+    width: float  # points: proportional to rate, or IDLE_WIDTH (dashed) when rate is 0
     color: tuple[float, float, float, float]  # RGBA
-    width: float  # points
-    edges: tuple[tuple[int, int], ...]  # (sender rank, receiver rank), as in the tree
-    paths: tuple[tuple[int, ...], ...]  # the nodes each edge's line passes, switches included
+
+
+@dataclass(frozen=True)
+class TreePanel:
+    """One small panel: a piece of the packing."""
+
+    root: int
+    rate: float  # bytes/s, the piece's weight
+    trees: tuple[int, ...]  # its trees' indices in `Packing.trees`
+    title: str
 
 
 @dataclass(frozen=True)
@@ -58,36 +82,228 @@ class PackingFigure:
 
     out: Path
     size: tuple[int, int]  # pixels
-    positions: dict[int, tuple[float, float]]  # node → its centre in the axes' data coordinates
-    trees: tuple[TreeDrawing, ...]
+    positions: dict[int, tuple[float, float]]  # node → its centre in data coordinates (every panel)
+    links: tuple[LinkDrawing, ...]  # in `Topology.links` order
+    panels: tuple[TreePanel, ...]  # heaviest piece first
+    more: str  # the note on the pieces without a panel; "" when every piece has one
+    title: str
     figure: Figure = field(repr=False, compare=False)
 
 
-def draw_packing(topology: Topology, packing: Packing, out: Path,
-                 size: tuple[int, int] = DEFAULT_PIXELS) -> PackingFigure:
-    """Draw `topology` and `packing`'s trees on it into the PNG `out` of `size` pixels."""
+def link_rates(topology: Topology, packing: Packing) -> np.ndarray:
+    """Bytes/s `packing` puts on each link, in `topology.links` order: the sum over trees of the
+    tree's weight times the number of its edges whose physical path crosses the link. (L,)"""
+    rates = np.zeros(len(topology.links))
+    for tree in packing.trees:
+        for path in tree.paths or tree.edges:
+            for a, b in zip(path, path[1:]):
+                i = topology.link_id(a, b)
+                assert i >= 0, f"a tree at root {tree.root} crosses {a}->{b}, which {topology.name} lacks"
+                rates[i] += tree.weight
+    return rates
+
+
+def draw_packing(topology: Topology, packing: Packing, out: Path, size: tuple[int, int] = DEFAULT_PIXELS,
+                 panels: int = DEFAULT_PANELS) -> PackingFigure:
+    """Draw the load `packing` puts on `topology`'s links and its `panels` heaviest pieces into
+    the PNG `out` of `size` pixels."""
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, Normalize
+
+    if panels < 1:
+        raise ValueError(f"panels={panels}: give at least 1 (the trees drawn in panels of their own)")
     positions = node_positions(topology)
+    rates = link_rates(topology, packing)
+    fractions = rates / topology.capacities()
+    cmap = ListedColormap(colormaps[_LOAD_MAP](np.linspace(_LOAD_FROM, 1.0, 256)))
+    norm = Normalize(0.0, max(1.0, float(fractions.max())))
+    pieces = sorted(packing.pieces(), key=lambda p: -p.weight)  # stable: ties keep the packing's order
+    shown, rest = pieces[:panels], pieces[panels:]
+    total = sum(p.weight for p in pieces)
+
     figure = new_figure(size)
-    ax = figure.subplots()
-    _draw_links(ax, topology, positions)
-    count = len(packing.trees)
-    lane = min(_LANE, _SPREAD / count)
-    widest = min(_WIDEST, 0.8 * lane * _radius_points(size))
-    heaviest = max(tree.weight for tree in packing.trees)
-    trees = []
-    for index, (tree, color) in enumerate(zip(packing.trees, palette(count))):
-        width = max(0.5, widest * (0.35 + 0.65 * tree.weight / heaviest))
-        trees.append(_draw_tree(ax, index, tree, color, width, lane * (index - (count - 1) / 2), positions))
-    _draw_nodes(ax, topology, positions)
-    _legend(ax, trees)
-    bound = f", bound {packing.bound / 1e9:.4g} GB/s" if math.isfinite(packing.bound) else ""
-    root = f" from root {packing.root}" if packing.root is not None else ""
-    ax.set_title(f"{packing.op.value}{root} on {topology.name}: {len(packing.trees)} trees, "
-                 f"rate {packing.rate / 1e9:.4g} GB/s{bound}")
+    main, side = _split(figure, size)
+    title = _title(topology, packing)
+    figure.suptitle(title, fontsize=11)
+    ax = main.subplots()
+    ax.set_gid("links")
+    _frame(ax)
+    ax.set_anchor("E")  # beside its colorbar
+    main.colorbar(ScalarMappable(norm, cmap), ax=ax, label="fraction of capacity", shrink=0.6)
+    busiest = float(rates.max())
+    ax.set_title(f"load on each link: width ∝ rate (widest {busiest / 1e9:.4g} GB/s), dashed grey: idle",
+                 fontsize=9)
+    grid = _panel_axes(side, len(shown), size)
+    what = "tree pairs (reduce to the root, then broadcast from it)" if packing.op is Collective.ALLREDUCE \
+        else "trees"
+    side.suptitle(f"the {len(shown)} heaviest of {len(pieces)} {what}" if rest else f"its {len(pieces)} {what}",
+                  fontsize=10)
+    more = (f"and {len(rest)} more carrying {sum(p.weight for p in rest) / total:.1%} of the rate"
+            if rest else "")  # fmt: skip
+    if more:
+        side.supxlabel(more, fontsize=9)
+    _direction_key(side, {packing.trees[i].direction for p in shown for i in p.trees})
+    figure.draw_without_rendering()  # lay the axes out, so that points per data unit are known
+
+    scale = _points_per_unit(ax)
+    radius = _node_radius(topology)
+    widest = min(_WIDEST, 1.7 * _SHIFT * scale)
+    links = []
+    for link, rate, fraction in zip(topology.links, rates, fractions):
+        idle = rate <= 0
+        color = _IDLE_COLOR if idle else tuple(float(c) for c in cmap(norm(fraction)))
+        width = IDLE_WIDTH if idle else widest * rate / busiest
+        _draw_link(ax, link.src, link.dst, positions, color, width, idle)
+        links.append(LinkDrawing(link.src, link.dst, link.capacity, float(rate), float(fraction), width, color))
+    _draw_nodes(ax, topology, positions, radius, scale)
+
+    drawn = []
+    for i, (panel_ax, piece) in enumerate(zip(grid, shown)):
+        panel_ax.set_gid(f"tree panel {i}")
+        drawn.append(_draw_piece(panel_ax, topology, packing, piece, positions, 1.3 * radius, total))
+    for panel_ax in grid[len(shown):]:
+        panel_ax.remove()
+    save_png(figure, out)
+    return PackingFigure(out, size, positions, tuple(links), tuple(drawn), more, title, figure)
+
+
+def _direction_key(side: SubFigure, directions: set[Direction]) -> None:
+    """The legend of the panels' edge colours, one entry per direction drawn."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=color, linewidth=1.6, label=label)
+               for direction, color, label in ((Direction.IN, _TOWARDS_ROOT, "edge towards the root"),
+                                               (Direction.OUT, _FROM_ROOT, "edge from the root"))
+               if direction in directions]  # fmt: skip
+    side.figure.legend(handles=handles, loc="outside lower right", ncols=len(handles), fontsize=8, frameon=False)
+
+
+def _title(topology: Topology, packing: Packing) -> str:
+    """The op and topology; below, the rate, bound and rate/bound, as `topo pack` prints them."""
+    unit = topology.link_unit
+
+    def rate(value: float) -> str:
+        return f"{value / 1e9:.4g} GB/s" + (f" = {value / unit:.4g} link units" if unit else "")
+
+    root = f" from root {packing.root}" if packing.op is Collective.BROADCAST else \
+        f" to root {packing.root}" if packing.root is not None else ""
+    head = f"{packing.op.value}{root} on {topology.name}, {len(packing.trees)} trees\nrate {rate(packing.rate)}"
+    if not math.isfinite(packing.bound):
+        return f"{head} (no bound)"
+    return f"{head}, bound {rate(packing.bound)}, rate/bound {packing.rate / packing.bound:.4f}"
+
+
+def _split(figure: Figure, size: tuple[int, int]) -> tuple[SubFigure, SubFigure]:
+    """The main panel's part of the figure and the small panels' part: side by side in a wide
+    picture (the main part about as wide as it is high), one above the other in a tall one."""
+    width, height = size
+    if width >= height:
+        share = min(0.62, max(0.45, 1.1 * height / width))
+        main, side = figure.subfigures(1, 2, width_ratios=[share, 1 - share])
+    else:
+        share = min(0.62, max(0.45, 1.1 * width / height))
+        main, side = figure.subfigures(2, 1, height_ratios=[share, 1 - share])
+    return main, side
+
+
+def _panel_axes(side: SubFigure, count: int, size: tuple[int, int]) -> list[Axes]:
+    """`count` axes on a grid in `side`, its columns chosen to make the (square) panels largest."""
+    x0, y0, x1, y1 = side.bbox_relative.extents
+    width, height = (x1 - x0) * size[0], (y1 - y0) * size[1] - 60  # pixels, less the titles
+
+    def cell(cols: int) -> float:
+        return min(width / cols, height / math.ceil(count / cols))
+
+    cols = max(range(1, count + 1), key=cell)
+    axes = side.subplots(math.ceil(count / cols), cols, squeeze=False).ravel().tolist()
+    for ax in axes:
+        _frame(ax)
+    return axes
+
+
+def _frame(ax: Axes) -> None:
+    ax.set_xlim(-_LIMIT, _LIMIT)
+    ax.set_ylim(-_LIMIT, _LIMIT)
     ax.set_aspect("equal")
     ax.axis("off")
-    save_png(figure, out)
-    return PackingFigure(out, size, positions, tuple(trees), figure)
+
+
+def _points_per_unit(ax: Axes) -> float:
+    """How many points one data unit spans in `ax`, as laid out."""
+    left, right = ax.get_xlim()
+    return ax.get_window_extent().width / (right - left) * 72 / ax.figure.dpi
+
+
+def _node_radius(topology: Topology) -> float:
+    """A node's radius in data units: small enough that neighbours on the rank circle stay apart."""
+    return min(0.1, 0.8 * math.sin(math.pi / max(topology.num_ranks, 2)))
+
+
+def _left(p: np.ndarray, q: np.ndarray, shift: float) -> tuple[np.ndarray, np.ndarray]:
+    """The segment p→q moved `shift` data units to its left."""
+    along = (q - p) / max(np.linalg.norm(q - p), 1e-9)
+    across = np.array([-along[1], along[0]]) * shift
+    return p + across, q + across
+
+
+def _arrowhead(ax: Axes, p: np.ndarray, q: np.ndarray, color, size: float) -> None:
+    """An arrowhead of `size` points half-way along p→q, pointing at q."""
+    along = (q - p) / max(np.linalg.norm(q - p), 1e-9)
+    middle = (p + q) / 2
+    ax.annotate("", xy=tuple(middle + 0.02 * along), xytext=tuple(middle - 0.02 * along), zorder=3,
+                arrowprops={"arrowstyle": "-|>", "color": color, "linewidth": 0, "mutation_scale": size})
+
+
+def _draw_link(ax: Axes, src: int, dst: int, positions: dict, color, width: float, idle: bool) -> None:
+    """The directed link src→dst, shifted to its left; an arrowhead half-way unless it is idle."""
+    p, q = _left(np.asarray(positions[src]), np.asarray(positions[dst]), _SHIFT)
+    ax.plot([p[0], q[0]], [p[1], q[1]], color=color, linewidth=width, linestyle="--" if idle else "-",
+            solid_capstyle="butt", zorder=1 if idle else 2, gid=f"link {src}->{dst}")
+    if not idle:  # white inside a line wide enough to hold it, else in the line's colour and wider
+        wide = width >= 5.0
+        _arrowhead(ax, p, q, "white" if wide else color, width if wide else max(6.0, 3.0 * width))
+
+
+def _draw_nodes(ax: Axes, topology: Topology, positions: dict, radius: float, scale: float,
+                root: int | None = None) -> None:
+    """Ranks as circles, switches as squares, each with its name; `root` filled yellow."""
+    from matplotlib.patches import Circle, Rectangle
+
+    fontsize = max(4.0, min(9.0, 0.7 * radius * scale))
+    for v, (x, y) in positions.items():
+        switch = topology.is_switch(v)
+        face = "0.35" if switch else "gold" if v == root else "white"
+        shape = Rectangle((x - radius, y - radius), 2 * radius, 2 * radius) if switch else Circle((x, y), radius)
+        shape.set(facecolor=face, edgecolor="black", linewidth=1.2, zorder=4)
+        ax.add_patch(shape)
+        ax.text(x, y, topology.names[v], ha="center", va="center", fontsize=fontsize, zorder=5,
+                color="white" if switch else "black", clip_on=True)
+
+
+def _draw_piece(ax: Axes, topology: Topology, packing: Packing, piece: Piece, positions: dict, radius: float,
+                total: float) -> TreePanel:
+    """`piece`'s tree edges along their paths over the topology's links in light grey."""
+    scale = _points_per_unit(ax)
+    shift = max(0.03, 1.5 / scale)  # data units: at least 1.5 points
+    for a, b in {(min(l.src, l.dst), max(l.src, l.dst)) for l in topology.links}:
+        ax.plot(*zip(positions[a], positions[b]), color="0.88", linewidth=1.0, zorder=1)
+    for index in piece.trees:
+        tree = packing.trees[index]
+        color = _TOWARDS_ROOT if tree.direction is Direction.IN else _FROM_ROOT
+        for edge, path in zip(tree.edges, tree.paths or tree.edges):
+            points = []
+            for u, v in zip(path, path[1:]):
+                p, q = _left(np.asarray(positions[u]), np.asarray(positions[v]), shift)
+                points += [p, q]
+                _arrowhead(ax, p, q, color, max(5.0, 0.1 * scale))
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, color=color, linewidth=1.6, solid_capstyle="round", zorder=2,
+                    gid=f"tree {index} {edge[0]}->{edge[1]}")
+    _draw_nodes(ax, topology, positions, radius, scale, piece.root)
+    title = f"root {piece.root}: {piece.weight / 1e9:.4g} GB/s ({piece.weight / total:.0%})"
+    ax.set_title(title, fontsize=9)
+    return TreePanel(piece.root, piece.weight, piece.trees, title)
 
 
 def node_positions(topology: Topology) -> dict[int, tuple[float, float]]:
@@ -120,13 +336,6 @@ def node_positions(topology: Topology) -> dict[int, tuple[float, float]]:
     return positions
 
 
-def _radius_points(size: tuple[int, int]) -> float:
-    """About how long the rank circle's radius comes out, in points: the axes take the height
-    and three quarters of the width (the legend the rest), and hold the circle with a margin."""
-    width, height = size
-    return 0.42 * min(0.75 * width, height) * 72 / DPI
-
-
 def _layers_from_ranks(topology: Topology, neighbours: dict[int, set[int]]) -> list[list[int]]:
     """The switches one hop from a rank, then those one hop further, and so on."""
     layers, seen, frontier = [], set(range(topology.num_ranks)), set(range(topology.num_ranks))
@@ -142,62 +351,3 @@ def _mean_angle(angles: list[float], otherwise: float) -> float:
     """The direction of the mean of unit vectors at `angles` (`otherwise` when they cancel or are none)."""
     x, y = sum(map(math.cos, angles)), sum(map(math.sin, angles))
     return math.atan2(y, x) if math.hypot(x, y) > 1e-9 else otherwise
-
-
-def _draw_links(ax: Axes, topology: Topology, positions: dict) -> None:
-    """One grey line per connected pair of nodes, wider for the larger capacity of its two directions."""
-    widest = max(link.capacity for link in topology.links)
-    pairs: dict[tuple[int, int], float] = {}
-    for link in topology.links:
-        pair = (min(link.src, link.dst), max(link.src, link.dst))
-        pairs[pair] = max(pairs.get(pair, 0.0), link.capacity)
-    for (a, b), capacity in pairs.items():
-        (xa, ya), (xb, yb) = positions[a], positions[b]
-        ax.plot([xa, xb], [ya, yb], color="0.85", linewidth=2.0 + 8.0 * capacity / widest,
-                solid_capstyle="round", zorder=1)
-
-
-def _draw_tree(ax: Axes, index: int, tree: Tree, color, width: float, shift: float, positions: dict) -> TreeDrawing:
-    """A line per edge of `tree` along its path, shifted `shift` across it; an arrowhead at its receiver."""
-    paths = tree.paths or tuple(tree.edges)
-    for path in paths:
-        points = _shifted([positions[v] for v in path], shift)
-        ax.plot(points[:, 0], points[:, 1], color=color, linewidth=width, solid_capstyle="round", zorder=2)
-        tail, head = points[-2], points[-1]
-        tip = tail + (head - tail) * max(0.0, 1.0 - 0.09 / max(np.linalg.norm(head - tail), 1e-9))
-        ax.annotate("", xy=tuple(tip), xytext=tuple(tail + (tip - tail) * 0.6), zorder=3,
-                    arrowprops={"arrowstyle": "-|>", "color": color, "linewidth": 0, "mutation_scale": 10 + 3 * width})
-    return TreeDrawing(index, tree.root, tree.direction.value, tree.weight, color, width, tree.edges, paths)
-
-
-def _shifted(points: list[tuple[float, float]], shift: float) -> np.ndarray:
-    """The polyline through `points`, each segment moved `shift` to its left; (2 per segment, 2)."""
-    out = []
-    for a, b in zip(points, points[1:]):
-        a, b = np.asarray(a), np.asarray(b)
-        along = (b - a) / max(np.linalg.norm(b - a), 1e-9)
-        across = np.array([-along[1], along[0]]) * shift
-        out += [a + across, b + across]
-    return np.array(out)
-
-
-def _draw_nodes(ax: Axes, topology: Topology, positions: dict) -> None:
-    """Ranks as circles, switches as squares, each with its name."""
-    for v, (x, y) in positions.items():
-        switch = topology.is_switch(v)
-        ax.scatter([x], [y], s=700, marker="s" if switch else "o", color="0.35" if switch else "white",
-                   edgecolors="black", linewidths=1.5, zorder=4)
-        ax.text(x, y, topology.names[v], ha="center", va="center", fontsize=8, zorder=5,
-                color="white" if switch else "black")
-
-
-def _legend(ax: Axes, trees: list[TreeDrawing]) -> None:
-    """Tree i: root, direction, rate; past `MAX_LEGEND` trees, one line for the rest."""
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], color=t.color, linewidth=t.width,
-                      label=f"tree {t.index}: {t.direction} root {t.root}, {t.rate / 1e9:.4g} GB/s")
-               for t in trees[:MAX_LEGEND]]  # fmt: skip
-    if len(trees) > MAX_LEGEND:
-        handles.append(Line2D([], [], color="none", label=f"… and {len(trees) - MAX_LEGEND} more trees"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

@@ -476,14 +476,26 @@ def test_bench_plot_is_refused_before_any_process_starts(tmp_path, capsys, monke
 
 # ---- topo draw ---------------------------------------------------------------------------------
 
-def _tree_lines(figure, drawn) -> dict[int, list]:
-    """Each tree's lines, found by its colour among the axes' lines."""
-    ax = figure.axes[0]
-    return {t.index: [line for line in ax.get_lines() if line.get_color() == t.color] for t in drawn.trees}
+def _axes_by_gid(figure, prefix: str) -> list:
+    return [ax for ax in figure.axes if (ax.get_gid() or "").startswith(prefix)]
+
+
+def _lines_by_gid(ax) -> dict:
+    return {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
 
 
 def _nearest(point, positions) -> int:
     return min(positions, key=lambda v: np.hypot(*(np.asarray(positions[v]) - point)))
+
+
+def _expected_link_rates(packing) -> dict[tuple[int, int], float]:
+    """(src, dst) → the sum over trees of weight × the tree's edges whose path crosses src→dst."""
+    rates: dict[tuple[int, int], float] = {}
+    for tree in packing.trees:
+        for path in tree.paths or tree.edges:
+            for hop in zip(path, path[1:]):
+                rates[hop] = rates.get(hop, 0.0) + tree.weight
+    return rates
 
 
 def test_topo_draw_writes_the_packing_on_the_topology(tmp_path, capsys, monkeypatch):
@@ -492,37 +504,84 @@ def test_topo_draw_writes_the_packing_on_the_topology(tmp_path, capsys, monkeypa
     assert png_size(tmp_path / "topology-broadcast.png") == (1600, 1000)
     assert "wrote topology-broadcast.png (1600x1000): broadcast on dgx1v[0,1,2,3]" in capsys.readouterr().out
     argv = ["topo", "draw", "--preset", "ring", "--ranks", "5", "--op", "reduce", "--root", "2", "--max-trees", "2",
-            "-o", "ring.png", "--size", "1000x800"]
+            "-o", "ring.png", "--size", "1000x800", "--trees", "1"]
     assert main(argv) == 0
     assert png_size(tmp_path / "ring.png") == (1000, 800)
+    assert "2 trees (1 drawn apart)" in capsys.readouterr().out
 
 
-def test_drawn_tree_edges_colours_and_widths_match_the_packing(tmp_path):
+def test_link_widths_and_colours_are_the_load_the_packing_puts_on_each_link(tmp_path):
+    from matplotlib.collections import QuadMesh
+    from matplotlib.colors import to_rgba
+
     from shardshift.collectives.planning.packing import pack
     from shardshift.collectives.topology.presets import dgx1v, fat_tree
 
-    for topology, op in ((dgx1v([0, 1, 2, 3]), "broadcast"), (fat_tree(4, hosts_per_leaf=2), "allgather")):
+    for topology, op in ((dgx1v([0, 1, 2, 3]), "broadcast"), (fat_tree(4, hosts_per_leaf=2), "allgather"),
+                         (dgx1v([0, 1, 2, 3, 4, 5]), "allreduce")):
         packing = pack(topology, op)
         drawn = draw_packing(topology, packing, tmp_path / "topo.png", (900, 700))
         assert png_size(tmp_path / "topo.png") == (900, 700)
-        assert len({t.color for t in drawn.trees}) == len(packing.trees)
-        lines = _tree_lines(drawn.figure, drawn)
-        for tree, drawing in zip(packing.trees, drawn.trees):
-            assert drawing.edges == tree.edges and drawing.rate == tree.weight
-            # Each line runs from the sender to the receiver of one edge (ends matched to the nearest node).
-            ends = {(_nearest(np.array([line.get_xdata()[0], line.get_ydata()[0]]), drawn.positions),
-                     _nearest(np.array([line.get_xdata()[-1], line.get_ydata()[-1]]), drawn.positions))
-                    for line in lines[drawing.index]}
-            assert ends == set(tree.edges), (topology.name, drawing.index)
-            assert {line.get_linewidth() for line in lines[drawing.index]} == {drawing.width}
-            # Through switches: a line bends at every node of the edge's physical path.
-            for line, path in zip(lines[drawing.index], tree.paths or tree.edges):
-                assert len(line.get_xdata()) == 2 * (len(path) - 1)
-        heavier = sorted(drawn.trees, key=lambda t: t.rate)
-        assert all(a.width <= b.width for a, b in zip(heavier, heavier[1:]))
-        legend = [t.get_text() for t in drawn.figure.axes[0].get_legend().get_texts()]
-        assert legend[0] == f"tree 0: {drawn.trees[0].direction} root {drawn.trees[0].root}, " \
-                            f"{drawn.trees[0].rate / 1e9:.4g} GB/s"
+        expected = _expected_link_rates(packing)
+        assert [(d.src, d.dst) for d in drawn.links] == [(link.src, link.dst) for link in topology.links]
+        (ax,) = _axes_by_gid(drawn.figure, "links")
+        lines = _lines_by_gid(ax)
+        (colorbar,) = [a for a in drawn.figure.axes if a.get_ylabel() == "fraction of capacity"]
+        (key,) = [c for c in colorbar.collections if isinstance(c, QuadMesh)]  # the colorbar's colours and scale
+        busiest = max(expected.values())
+        widest = max(d.width for d in drawn.links)
+        for d, link in zip(drawn.links, topology.links):
+            line = lines[f"link {d.src}->{d.dst}"]
+            rate = expected.get((d.src, d.dst), 0.0)
+            assert d.rate == pytest.approx(rate, rel=1e-12, abs=0) and d.capacity == link.capacity
+            assert d.fraction == pytest.approx(rate / link.capacity, rel=1e-12, abs=0)
+            assert line.get_linewidth() == d.width and to_rgba(line.get_color()) == d.color
+            if rate > 0:  # width proportional to the rate; colour: the colorbar's at the fraction
+                assert d.width == pytest.approx(widest * rate / busiest, rel=1e-9)
+                assert line.get_linestyle() == "-" and d.color == tuple(key.cmap(key.norm(d.fraction)))
+            else:
+                assert line.get_linestyle() == "--" and d.width < 0.2 * widest
+        assert key.norm.vmin == 0 and key.norm.vmax == max(1.0, max(d.fraction for d in drawn.links))
+        if op == "broadcast":  # broadcast from rank 0 leaves links idle: they are there, dashed
+            assert any(d.rate == 0 for d in drawn.links)
+        title = drawn.figure.texts[0].get_text()
+        assert title == drawn.title and f"rate {packing.rate / 1e9:.4g} GB/s" in title
+        assert f"bound {packing.bound / 1e9:.4g} GB/s" in title and f"rate/bound {packing.rate / packing.bound:.4f}" in title
+
+
+def test_the_heaviest_trees_get_small_panels_and_the_rest_one_note(tmp_path):
+    from shardshift.collectives.planning.packing import pack
+    from shardshift.collectives.topology.presets import dgx1v, fat_tree
+
+    for topology, op, asks in ((dgx1v([0, 1, 2, 3, 4, 5]), "allreduce", (1, 4, 100)),
+                               (fat_tree(4, hosts_per_leaf=2), "broadcast", (2,))):
+        packing = pack(topology, op)
+        pieces = sorted(packing.pieces(), key=lambda p: -p.weight)
+        for asked in asks:
+            drawn = draw_packing(topology, packing, tmp_path / "topo.png", (800, 500), panels=asked)
+            assert png_size(tmp_path / "topo.png") == (800, 500)
+            shown = min(asked, len(pieces))
+            axes = _axes_by_gid(drawn.figure, "tree panel")
+            assert len(drawn.panels) == len(axes) == shown
+            assert [(p.root, p.rate, p.trees) for p in drawn.panels] == [(p.root, p.weight, p.trees)
+                                                                         for p in pieces[:shown]]
+            for panel, ax in zip(drawn.panels, axes):
+                assert ax.get_title() == panel.title and panel.title.startswith(f"root {panel.root}: "
+                                                                                f"{panel.rate / 1e9:.4g} GB/s")
+                lines = _lines_by_gid(ax)
+                edges = {f"tree {i} {a}->{b}": (a, b, path) for i in panel.trees
+                         for (a, b), path in zip(packing.trees[i].edges, packing.trees[i].paths or packing.trees[i].edges)}
+                assert set(lines) == set(edges)  # only this piece's trees, every edge of them
+                for gid, (a, b, path) in edges.items():  # from sender to receiver, bending at each switch
+                    xs, ys = lines[gid].get_xdata(), lines[gid].get_ydata()
+                    assert len(xs) == 2 * (len(path) - 1)
+                    assert _nearest(np.array([xs[0], ys[0]]), drawn.positions) == a
+                    assert _nearest(np.array([xs[-1], ys[-1]]), drawn.positions) == b
+            rest = pieces[shown:]
+            assert drawn.more == (f"and {len(rest)} more carrying "
+                                  f"{sum(p.weight for p in rest) / sum(p.weight for p in pieces):.1%} of the rate"
+                                  if rest else "")  # fmt: skip
+            assert (drawn.more in [t.get_text() for sub in drawn.figure.subfigs for t in sub.texts]) == bool(rest)
 
 
 def test_topo_draw_refuses_bad_input(tmp_path, capsys):
@@ -531,4 +590,7 @@ def test_topo_draw_refuses_bad_input(tmp_path, capsys):
     assert "--root 7 is not a rank of ring4" in capsys.readouterr().err
     assert main([*base, "--size", "3x3"]) == 2
     assert "--size '3x3'" in capsys.readouterr().err
+    assert main([*base, "--trees", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--trees 0: give at least 1" in err
     assert not (tmp_path / "t.png").exists()
