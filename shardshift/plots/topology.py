@@ -107,7 +107,7 @@ def draw_packing(topology: Topology, packing: Packing, out: Path, size: tuple[in
                  panels: int = DEFAULT_PANELS) -> PackingFigure:
     """Draw the load `packing` puts on `topology`'s links and its `panels` heaviest pieces into
     the PNG `out` of `size` pixels."""
-    from matplotlib import colormaps
+    from matplotlib import colormaps, rc_context
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import ListedColormap, Normalize
 
@@ -122,50 +122,45 @@ def draw_packing(topology: Topology, packing: Packing, out: Path, size: tuple[in
     shown, rest = pieces[:panels], pieces[panels:]
     total = sum(p.weight for p in pieces)
 
-    figure = new_figure(size)
-    main, side = _split(figure, size)
-    title = _title(topology, packing)
-    figure.suptitle(title, fontsize=11)
-    ax = main.subplots()
-    ax.set_gid("links")
-    _frame(ax)
-    ax.set_anchor("E")  # beside its colorbar
-    main.colorbar(ScalarMappable(norm, cmap), ax=ax, label="fraction of capacity", shrink=0.6)
-    busiest = float(rates.max())
-    ax.set_title(f"load on each link: width ∝ rate (widest {busiest / 1e9:.4g} GB/s), dashed grey: idle",
-                 fontsize=9)
-    grid = _panel_axes(side, len(shown), size)
-    what = "tree pairs (reduce to the root, then broadcast from it)" if packing.op is Collective.ALLREDUCE \
-        else "trees"
-    side.suptitle(f"the {len(shown)} heaviest of {len(pieces)} {what}" if rest else f"its {len(pieces)} {what}",
-                  fontsize=10)
-    more = (f"and {len(rest)} more carrying {sum(p.weight for p in rest) / total:.1%} of the rate"
-            if rest else "")  # fmt: skip
-    if more:
-        side.supxlabel(more, fontsize=9)
-    _direction_key(side, {packing.trees[i].direction for p in shown for i in p.trees})
-    figure.draw_without_rendering()  # lay the axes out, so that points per data unit are known
+    # Text scales with the picture, down to half size; the default picture's text is matplotlib's.
+    text = max(0.5, min(1.0, size[0] / DEFAULT_PIXELS[0], size[1] / DEFAULT_PIXELS[1]))
+    with rc_context({"font.size": 10 * text}):
+        figure = new_figure(size)
+        main, side = _split(figure, size)
+        title = _title(topology, packing)
+        figure.suptitle(title, fontsize="large")
+        ax = main.subplots()
+        ax.set_gid("links")
+        _frame(ax)
+        ax.set_anchor("E")  # beside its colorbar
+        main.colorbar(ScalarMappable(norm, cmap), ax=ax, label="fraction of capacity", shrink=0.6)
+        busiest = float(rates.max())
+        ax.set_title(f"load on each link: width ∝ rate (widest {busiest / 1e9:.4g} GB/s), dashed grey: idle",
+                     fontsize="small")
+        grid = _panel_axes(side, len(shown), size)
+        what = "tree pairs (reduce to the root, then broadcast from it)" if packing.op is Collective.ALLREDUCE \
+            else "trees"
+        side.suptitle(f"the {len(shown)} heaviest of {len(pieces)} {what}" if rest else f"its {len(pieces)} {what}",
+                      fontsize="medium")
+        more = (f"and {len(rest)} more carrying {sum(p.weight for p in rest) / total:.1%} of the rate"
+                if rest else "")  # fmt: skip
+        if more:
+            side.supxlabel(more, fontsize="small")
+        _direction_key(side, {packing.trees[i].direction for p in shown for i in p.trees})
+        figure.draw_without_rendering()  # lay the axes out, so that points per data unit are known
 
-    scale = _points_per_unit(ax)
-    radius = _node_radius(topology)
-    widest = min(_WIDEST, 1.7 * _SHIFT * scale)
-    links = []
-    for link, rate, fraction in zip(topology.links, rates, fractions):
-        idle = rate <= 0
-        color = _IDLE_COLOR if idle else tuple(float(c) for c in cmap(norm(fraction)))
-        width = IDLE_WIDTH if idle else widest * rate / busiest
-        _draw_link(ax, link.src, link.dst, positions, color, width, idle)
-        links.append(LinkDrawing(link.src, link.dst, link.capacity, float(rate), float(fraction), width, color))
-    _draw_nodes(ax, topology, positions, radius, scale)
+        radius = _node_radius(topology)
+        links = _draw_loads(ax, topology, positions, rates, lambda f: tuple(float(c) for c in cmap(norm(f))))
+        _draw_nodes(ax, topology, positions, radius, _points_per_unit(ax))
 
-    drawn = []
-    for i, (panel_ax, piece) in enumerate(zip(grid, shown)):
-        panel_ax.set_gid(f"tree panel {i}")
-        drawn.append(_draw_piece(panel_ax, topology, packing, piece, positions, 1.3 * radius, total))
-    for panel_ax in grid[len(shown):]:
-        panel_ax.remove()
-    save_png(figure, out)
-    return PackingFigure(out, size, positions, tuple(links), tuple(drawn), more, title, figure)
+        drawn = []
+        for i, (panel_ax, piece) in enumerate(zip(grid, shown)):
+            panel_ax.set_gid(f"tree panel {i}")
+            drawn.append(_draw_piece(panel_ax, topology, packing, piece, positions, 1.3 * radius, total))
+        for panel_ax in grid[len(shown):]:
+            panel_ax.remove()
+        save_png(figure, out)
+    return PackingFigure(out, size, positions, links, tuple(drawn), more, title, figure)
 
 
 def _direction_key(side: SubFigure, directions: set[Direction]) -> None:
@@ -176,7 +171,7 @@ def _direction_key(side: SubFigure, directions: set[Direction]) -> None:
                for direction, color, label in ((Direction.IN, _TOWARDS_ROOT, "edge towards the root"),
                                                (Direction.OUT, _FROM_ROOT, "edge from the root"))
                if direction in directions]  # fmt: skip
-    side.figure.legend(handles=handles, loc="outside lower right", ncols=len(handles), fontsize=8, frameon=False)
+    side.figure.legend(handles=handles, loc="outside lower right", ncols=len(handles), fontsize="small", frameon=False)
 
 
 def _title(topology: Topology, packing: Packing) -> str:
@@ -255,6 +250,21 @@ def _arrowhead(ax: Axes, p: np.ndarray, q: np.ndarray, color, size: float) -> No
                 arrowprops={"arrowstyle": "-|>", "color": color, "linewidth": 0, "mutation_scale": size})
 
 
+def _draw_loads(ax: Axes, topology: Topology, positions: dict, rates: np.ndarray, color) -> tuple[LinkDrawing, ...]:
+    """Every link of `topology`, as wide as its share of the busiest link's rate and coloured by
+    `color(fraction of capacity)`; idle ones dashed."""
+    busiest = float(rates.max())
+    widest = min(_WIDEST, 1.7 * _SHIFT * _points_per_unit(ax))  # the two lines of a pair stay apart
+    links = []
+    for link, rate in zip(topology.links, rates):
+        idle, fraction = rate <= 0, float(rate) / link.capacity
+        shade = _IDLE_COLOR if idle else color(fraction)
+        width = IDLE_WIDTH if idle else widest * rate / busiest
+        _draw_link(ax, link.src, link.dst, positions, shade, width, idle)
+        links.append(LinkDrawing(link.src, link.dst, link.capacity, float(rate), fraction, width, shade))
+    return tuple(links)
+
+
 def _draw_link(ax: Axes, src: int, dst: int, positions: dict, color, width: float, idle: bool) -> None:
     """The directed link src→dst, shifted to its left; an arrowhead half-way unless it is idle."""
     p, q = _left(np.asarray(positions[src]), np.asarray(positions[dst]), _SHIFT)
@@ -302,7 +312,7 @@ def _draw_piece(ax: Axes, topology: Topology, packing: Packing, piece: Piece, po
                     gid=f"tree {index} {edge[0]}->{edge[1]}")
     _draw_nodes(ax, topology, positions, radius, scale, piece.root)
     title = f"root {piece.root}: {piece.weight / 1e9:.4g} GB/s ({piece.weight / total:.0%})"
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize="small")
     return TreePanel(piece.root, piece.weight, piece.trees, title)
 
 
