@@ -156,6 +156,12 @@ class ModelSpec(abc.ABC):
         """Fill the buffers of `module` (this rank's stage, materialised) that no checkpoint holds
         (e.g. RoPE's ``inv_freq``). The default: the model has none."""
 
+    def flops_per_token(self) -> int:
+        """Model FLOPs of one token in one training step, forward and backward: PaLM's count,
+        ``6 · N + 12 · layers · hidden · seq_len`` with N the parameters a token reads (all of them
+        in a dense model) and the second term attention's scores and weighted sums."""
+        return 6 * self.num_params() + 12 * self.pipeline.num_layers * self.hidden_size * self.seq_len
+
     @property
     def expert_modules(self) -> tuple[str, ...]:
         """Name patterns (``*`` standing for one name part) of the modules that hold a layer's

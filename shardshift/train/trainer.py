@@ -25,6 +25,7 @@ from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.config import TrainConfig
+from shardshift.train.memory import device_peak_flops, peak_bytes, reset_peak
 from shardshift.train.optim import clip_grad_norm
 from shardshift.train.parallelize import (
     Parallel,
@@ -71,6 +72,9 @@ class StepResult:
     step_time_s: float
     tokens_per_s: float
     applied: bool = True  # False: the step is pending (`Trainer.apply_pending`), nothing of the state changed
+    peak_memory: int = 0  # bytes: the largest of the ranks' peaks in the step (`train.memory`); 0: unknown
+    flops_per_s: float = 0.0  # model FLOPs per second of the step, all ranks together (`train.memory`)
+    mfu: float | None = None  # flops_per_s over the devices' peak, where known
 
 
 class Trainer:
@@ -286,6 +290,7 @@ class Trainer:
         self.state.check_usable()
         cfg, layout, progress = self.cfg, self.cfg.layout, self.progress
         start = time.perf_counter()
+        reset_peak(self.par.device)
         inputs, targets = self.stream.batch(progress.position, layout.data_rank(self.par.coord), layout.data_parallel)
         inputs, targets = inputs.to(self.par.device), targets.to(self.par.device)
         lr = cfg.optim.lr_at(progress.step, cfg.steps)
@@ -311,9 +316,15 @@ class Trainer:
         else:
             self._apply(applied)
         elapsed = time.perf_counter() - start
+        peak = torch.tensor([peak_bytes(self.par.device)], dtype=torch.int64, device=self.par.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # after the step's time: a figure, not part of the step
+        tokens_per_s = cfg.tokens_per_step / elapsed
+        flops_per_s = cfg.model.flops_per_token() * tokens_per_s
+        device_peak = device_peak_flops(self.par.device)
         return StepResult(step=progress.step + (decision is None), loss=loss, grad_norm=grad_norm, lr=lr,
-                          step_time_s=elapsed, tokens_per_s=cfg.tokens_per_step / elapsed,
-                          applied=decision is not None)
+                          step_time_s=elapsed, tokens_per_s=tokens_per_s, applied=decision is not None,
+                          peak_memory=int(peak), flops_per_s=flops_per_s,
+                          mfu=None if device_peak is None else flops_per_s / (device_peak * layout.world_size))
 
     def apply_pending(self) -> None:
         """Apply the step `train_step` left pending, from the gradients it kept."""

@@ -112,6 +112,10 @@ def test_the_default_job_trains_and_switches_twice(tmp_path, budget):
     run_dir = tmp_path / where[1]
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    # Each step's peak memory (the largest rank's) and model FLOPs per second; no MFU on a CPU.
+    assert all(r["peak_memory_bytes"] > 0 and r["model_flops_per_s"] > 0 and r["mfu"] is None
+               for r in records if "loss" in r)
+    assert re.search(r"^step     5 \| .* tokens/s \| [\d.]+ MiB peak \| [\d.,]+ GFLOP/s$", run.stdout, re.M), run.stdout
     summary = records[-1]
     assert summary["event"] == "summary" and summary["steps"] == 5 and summary["changes"] == 2
     assert re.search(r"^done: 5 steps, 520 tokens in .*; 2 switches took", run.stdout, re.M), run.stdout

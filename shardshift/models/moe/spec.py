@@ -80,6 +80,12 @@ class MoESpec(ModelSpec):
     def num_params(self) -> int:
         return self.config.num_params()
 
+    def flops_per_token(self) -> int:
+        """PaLM's count over the parameters a token reads: its top-k routed experts of the E."""
+        cfg = self.config
+        unread = cfg.n_layers * 3 * (cfg.num_experts - cfg.top_k) * cfg.moe_intermediate_size * cfg.hidden_size
+        return 6 * (self.num_params() - unread) + 12 * cfg.n_layers * self.hidden_size * self.seq_len
+
     @property
     def expert_modules(self) -> tuple[str, ...]:
         return ("model.layers.*.mlp.experts",)
