@@ -75,6 +75,7 @@ class TrainConfig:
     # the pipeline's micro-batches). The global batch and the loss do not change.
     micro_batch_size: int = 0
     eval_every: int = 0  # held-out loss every K steps (and at the last); 0: never
+    activation_checkpointing: str = "none"  # none, full or selective, per layer (`train.checkpointing`)
     eval_batches: int = 4  # global batches of the held-out split each evaluation reads
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: str | None = None  # text file; None means the shipped corpus
@@ -131,6 +132,9 @@ class TrainConfig:
             raise ValueError(f"--eval-every {self.eval_every} must be >= 0 (0: no held-out loss)")
         if self.eval_batches < 1:
             raise ValueError(f"--eval-batches {self.eval_batches} must be >= 1")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r}: choose none, full or "
+                             "selective")
         object.__setattr__(self, "auto_micro_batches", self.micro_batches == 0)
         if self.micro_batches == 0:
             object.__setattr__(self, "micro_batches", self._pipeline_micro_batches())

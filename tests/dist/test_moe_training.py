@@ -91,7 +91,9 @@ def _switch_against_dcp(rank: int, root: str, before: str, after: str) -> dict:
 
 
 def _four_processes(rank: int, world_size: int, root: str) -> dict:
-    return {"layouts": {text: _train(rank, text) for text in LAYOUTS + EP_LAYOUTS},
+    return {"checkpointed": {mode: _train(rank, "ep=2,fsdp=2", activation_checkpointing=mode)["losses"]
+                             for mode in ("full", "selective")},
+            "layouts": {text: _train(rank, text) for text in LAYOUTS + EP_LAYOUTS},
             "micro": {text: _train(rank, text, micro_batch_size=1) for text in MICRO},
             "switch": [_switch_against_dcp(rank, root, *pair) for pair in SWITCHES]}
 
@@ -118,6 +120,10 @@ def test_moe_trains_alike_under_every_layout_and_switches_as_dcp(tmp_path, budge
                                            msg=lambda m, n=name, r=rank: f"{kind} {text} rank {r} {n}: {m}")
             assert run["wrong"] == [], (kind, text, rank, run["wrong"][:3])
         assert seen == set(reference["params"]), f"{kind} {text}: parameters missing from every rank"
+    for rank, results in enumerate(per_rank):  # experts exchanged again in the backward: the same numbers
+        for mode, losses in results["checkpointed"].items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(results["layouts"]["ep=2,fsdp=2"]["losses"]),
+                                       rtol=1e-12, atol=0, msg=f"activation checkpointing {mode} rank {rank}")
     for rank, results in enumerate(per_rank):
         for pair, switch in zip(SWITCHES, results["switch"]):
             assert switch["diff"] == [], f"{pair} rank {rank}: differs from DCP in {switch['diff'][:5]}"

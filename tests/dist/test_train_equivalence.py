@@ -69,9 +69,23 @@ def _one_process(rank: int, world_size: int) -> dict:
 UNEVEN_4 = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
 
 
+CHECKPOINTED = [(layout, mode) for layout in ("fsdp=4", "tp=4", "pp=4") for mode in ("full", "selective")]
+
+
+def _train_checkpointed(rank: int, cases: list[tuple[str, str]]) -> dict:
+    """`llama-test` with activation checkpointing: its losses per (layout, mode)."""
+    out = {}
+    for text, mode in cases:
+        cfg = dataclasses.replace(_config(Layout.parse(text), model="llama-test"), activation_checkpointing=mode)
+        trainer = Trainer(cfg, rank, "cpu")
+        out[text, mode] = [trainer.train_step().loss for _ in range(STEPS)]
+    return out
+
+
 def _four_processes(rank: int, world_size: int) -> dict:
     return {"layouts": {model: _train_layouts(rank, world_size, LAYOUTS[model], model) for model in MODELS},
-            "uneven": _train_uneven(rank, world_size, UNEVEN_4)}
+            "uneven": _train_uneven(rank, world_size, UNEVEN_4),
+            "checkpointed": _train_checkpointed(rank, CHECKPOINTED)}
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +178,12 @@ def test_float32_and_bfloat16_layouts_track_one_process(single, budget):
         torch.testing.assert_close(got, expected, rtol=DTYPE_RTOL[dtype], atol=0, msg=f"{text} {dtype}")
     # bfloat16 really computes in bfloat16: its losses are not the float32 ones.
     assert single[("dp=1", "bfloat16")] != single[("dp=1", "float32")]
+
+
+def test_activation_checkpointing_changes_no_loss(four):
+    """Full and selective activation checkpointing under fsdp, tp and pp: the same losses as without
+    it, to 1e-12 (the same operations on the same values, some done again in the backward)."""
+    for rank, results in enumerate(four):
+        for (text, mode), losses in results["checkpointed"].items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(results["layouts"]["llama-test"][text]["losses"]),
+                                       rtol=1e-12, atol=0, msg=f"{text} {mode} rank {rank}")
