@@ -40,6 +40,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most M sequences in one forward: a rank runs its share of the global batch in as many "
                         "micro-batches as it needs (gradient accumulation; under pp, the pipeline's micro-batches); "
                         "the global batch and the loss stay the same (default: a rank's whole share at once)")
+    p.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+                   help="recompute each layer's activations in the backward instead of keeping them: full (all "
+                        "of the layer), selective (all but its matrix products and attention); default none")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="every K steps and at the last, the loss on the held-out split of a prepared --data "
                         "(`shardshift data prepare --val-fraction`), in the metrics and the progress line")
@@ -152,6 +155,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         micro_batch_size=args.micro_batch_size,
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
+        activation_checkpointing=args.activation_checkpointing,
         optim=optim,
         data=args.data,
         save=args.save or (str(Path(args.run_dir) / "checkpoints") if args.run_dir else None),
