@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardshift.compat import reset_group_count
 from shardshift.elastic.protocol import Epoch, JobStore
 
 COORDINATOR_ENV = "SHARDSHIFT_COORDINATOR"  # HOST:PORT of the store, in every worker's environment
@@ -34,15 +35,8 @@ def forget_group_names() -> None:
     torch names a group without a name by a per-process counter, and that name is part of its
     rendezvous keys: every rank of a world must have counted alike. A default group whose
     rendezvous failed (a peer died) was counted but never made, so there is nothing to destroy;
-    the counter (private in PyTorch 2.13: ``distributed_c10d._world.group_count``) is set back by
-    hand."""
-    from torch.distributed import distributed_c10d
-
-    world = getattr(distributed_c10d, "_world", None)
-    if world is None or not hasattr(world, "group_count"):
-        raise RuntimeError("torch.distributed no longer counts unnamed groups in distributed_c10d._world.group_count; "
-                           "shardshift.elastic.membership.forget_group_names must follow it")
-    world.group_count = 0
+    the counter (private in PyTorch 2.13: `compat.reset_group_count`) is set back by hand."""
+    reset_group_count()
 
 
 def move_group(store: dist.Store, epoch: Epoch, process: int, processes: int, timeout_s: float):

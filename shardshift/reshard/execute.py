@@ -49,6 +49,7 @@ from typing import Protocol
 import torch
 
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
+from shardshift.compat import can_swap_storages, swap_storages
 from shardshift.reshard.plan import Segment, TransitionPlan
 from shardshift.reshard.schedule import Message, SwitchSchedule
 
@@ -322,20 +323,17 @@ class _OldPieces:
         return True
 
 
-_SWAP = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)  # private in PyTorch 2.13: without it, copies
-
-
 def _hand_over(old: torch.Tensor, new: torch.Tensor) -> bool:
     """Swap the bytes of `old`'s and `new`'s storages, where each tensor is the whole of its
     storage, laid out alike; return whether it was done."""
-    if _SWAP is None or old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
+    if not can_swap_storages() or old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
         return False
     nbytes = new.numel() * new.element_size()
     pair = (old, new)
     if not all(t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes
                and t.untyped_storage().resizable() for t in pair):
         return False
-    _SWAP(new.untyped_storage(), old.untyped_storage())
+    swap_storages(new.untyped_storage(), old.untyped_storage())
     return True
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
+
+from shardshift.compat import all_to_all_autograd
 
 
 class AllToAllDispatch:
@@ -52,8 +53,7 @@ class AllToAllDispatch:
 def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """All-to-all of `rows` (split by `in_splits` among the ranks) into rows split by `out_splits`,
     differentiable (PyTorch's functional collective: ``torch.distributed.nn``'s is deprecated)."""
-    out = funcol.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
-    return funcol.wait_tensor(out)
+    return all_to_all_autograd(rows.contiguous(), out_splits, in_splits, group)
 
 
 def _by_expert(got: torch.Tensor) -> torch.Tensor:

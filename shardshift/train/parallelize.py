@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from shardshift.compat import clear_sharding_caches, set_fsdp_idle
 from shardshift.layout import Coord, Layout
 from shardshift.models.spec import ModelSpec, plan_matcher
 from shardshift.reshard.plan import increasing_on_every_axis
@@ -163,21 +164,14 @@ def reshard_after_break(model: nn.Module) -> None:
     forward that raised leaves some layers gathered, and the root (which keeps its parameters
     gathered from forward to backward) in its forward state, where `FSDPModule.reshard` does
     nothing. Every reader of the state by parameter name (the optimizer's state, a switch, a
-    checkpoint) needs the sharded parameters, so each parameter group is set idle first (private
-    in PyTorch 2.13: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` and their
-    ``_training_state``; checked, to fail with a clear message if torch changes them)."""
+    checkpoint) needs the sharded parameters, so each parameter group is set idle first
+    (`compat.set_fsdp_idle`: private in PyTorch 2.13)."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
-        if groups is None or any(not hasattr(group, "_training_state") for group in groups):
-            raise RuntimeError("FSDP2's state no longer has _fsdp_param_groups with a _training_state: "
-                               "shardshift.train.parallelize.reshard_after_break must follow it")
-        for group in groups:
-            group._training_state = TrainingState.IDLE
+        set_fsdp_idle(module)
         module.reshard()
 
 
@@ -188,14 +182,9 @@ def forget_old_meshes() -> None:
     objects they were computed with. In a new world whose mesh equals an earlier world's, a cached
     decision would hand out the earlier mesh, and with it this process's coordinate in that world:
     DTensors made by later ops then claim the wrong shard (DCP then saw two ranks at one offset).
+    The caches are private in PyTorch 2.13 (`compat.clear_sharding_caches`).
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    clear_redistribute_planner_cache()
+    clear_sharding_caches()
 
 
 def build_stage_model(spec: ModelSpec, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:

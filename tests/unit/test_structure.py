@@ -19,7 +19,7 @@ PACKAGE = REPO / "shardshift"
 
 # Each layer may import itself and the layers listed after it (docs/architecture.md).
 LAYERS = ["cli", "bench", "netemu", "elastic", "simulate", "train", "models", "reshard", "plots", "collectives", "comm", "base"]
-BASE = {"layout", "units", "textfile", "files", "console", "launch", "runtime", "_exports", "__init__", "data"}
+BASE = {"layout", "units", "textfile", "files", "console", "launch", "runtime", "compat", "_exports", "__init__", "data"}
 # What harnesses above may use of the layers they sit beside (never the other way round):
 SIDEWAYS = {("bench", "netemu"), ("netemu", "collectives")}
 # Pure planning: usable with no process group.

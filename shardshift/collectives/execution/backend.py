@@ -55,6 +55,7 @@ from shardshift.collectives.execution.runner import RunOptions, TreeCollectives
 from shardshift.collectives.planning.ops import Collective
 from shardshift.collectives.topology.model import Topology
 from shardshift.collectives.topology.spec import DEFAULT_SPEC, group_topology, is_probe
+from shardshift.compat import delegate_to_gloo
 
 BACKEND_NAME = "shardshift"
 TOPOLOGY_ENV = "SHARDSHIFT_TOPOLOGY"
@@ -168,8 +169,7 @@ class ShardShiftProcessGroup(dist.ProcessGroup):
         self._store = store
         # The delegate runs every op that is not ours; registering it makes torch route them there.
         self._delegate = ProcessGroupGloo(PrefixStore("delegate/", store), rank, size, timeout)
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._delegate)
-        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        delegate_to_gloo(self, self._delegate)
         # A private gloo group carries the trees' point-to-point messages (see module docstring).
         self._tree_pg = ProcessGroupGloo(PrefixStore("trees/", store), rank, size, timeout)
         spec = self._options.topology_spec()
