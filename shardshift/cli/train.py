@@ -10,6 +10,7 @@ from pathlib import Path
 from shardshift.cli import add_device_argument, model_help
 from shardshift.layout import Layout
 from shardshift.runtime import in_worker, process_from_env, resolve_device
+from shardshift.train.argv import flag_keys, given_keys, keys_argv, read_config, to_toml
 from shardshift.train.argv import train_argv as train_argv  # the command line of a config; re-exported
 
 DEFAULT_LAYOUT = Layout(fsdp=2, tp=2)
@@ -25,6 +26,12 @@ def register(subparsers) -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="flags from a TOML file: each flag a key named with underscores (global_batch = 16; "
+                        "switch = [\"20:tp=2,pp=2\"]; plot = true); flags given on the command line win (docs/config.md)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective configuration (every flag's value, --config's and the command line's) "
+                        "as TOML, and exit")
     p.add_argument("--nproc", type=int, default=None, help="local processes to start (default: the layout's size)")
     p.add_argument("--layout", default=None,
                    help=f"degrees, e.g. 'dp=2,tp=2' (axes dp, fsdp, tp, pp; missing ones are 1); "
@@ -70,6 +77,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-budget", default="256M",
                    help="memory a switch may use beyond max(old state, new state), e.g. 64M (default 256M)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails the run")
+    p.add_argument("--profile", default=None, metavar="STEP:STEP",
+                   help="a torch profiler trace of these steps (inclusive), one Chrome trace per rank, "
+                        "profile-rank-N.json, in --run-dir (else beside --metrics)")
     add_device_argument(p)
     p.add_argument("--plot", action="store_true",
                    help="at the end, draw the run (loss, tokens/s, switches) beside --metrics, as .png")
@@ -119,6 +129,69 @@ def parse_switch(text: str) -> tuple[int, Layout]:
     if not sep or not step.strip().isdigit():
         raise ValueError(f"--switch {text!r} is not STEP:LAYOUT; write e.g. --switch 20:tp=2,pp=2")
     return int(step), Layout.parse(layout)
+
+
+def parse_profile(text: str, steps: int) -> tuple[int, int]:
+    """``--profile A:B``: steps A to B, inclusive, within [1, `steps`]."""
+    first, sep, last = text.partition(":")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise ValueError(f"--profile {text!r} is not STEP:STEP; write e.g. --profile 5:7 (steps 5 to 7)")
+    a, b = int(first), int(last)
+    if a > b:
+        raise ValueError(f"--profile {text}: step {a} comes after step {b}; write --profile {b}:{a}")
+    if a < 1 or b > steps:
+        raise ValueError(f"--profile {text}: the steps must lie in [1, --steps {steps}]")
+    return a, b
+
+
+def _profile(args: argparse.Namespace, steps: int) -> tuple[int, int, str] | None:
+    """--profile's steps and where the traces go (--run-dir, else --metrics' directory); None without it."""
+    if args.profile is None:
+        return None
+    first, last = parse_profile(args.profile, steps)
+    if args.run_dir is None and args.metrics is None:
+        raise ValueError(f"--profile {args.profile} writes a trace per rank into the run's directory: give --run-dir "
+                         "DIR (or --metrics FILE: the traces go beside it)")
+    return first, last, args.run_dir or str(Path(args.metrics).parent)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    """A parser of `shardshift train`'s flags alone (the command's own is a subparser of `main`'s)."""
+    parser = argparse.ArgumentParser(prog="shardshift train", add_help=False)
+    add_train_arguments(parser)
+    return parser
+
+
+def apply_config(args: argparse.Namespace) -> None:
+    """--config FILE: its keys set on `args` where the command line does not give their flags, and
+    `args.argv`, what the ranks (and an elastic job's joiners) parse again, made the explicit flags
+    of the result, so that no process but this one reads the file (a joiner's host need not have
+    it). ValueError naming --config FILE and the key."""
+    if args.config is None:
+        return
+    keys = flag_keys(_train_parser())
+    values = read_config(args.config, keys)
+    given = given_keys(_train_parser(), args.argv[1:])  # argv[0] is "train"
+    for key, value in values.items():
+        if key not in given:
+            setattr(args, key, value)
+    args.argv = ["train", *keys_argv({key: getattr(args, key) for key, spec in keys.items()
+                                      if getattr(args, key) != spec.default})]
+
+
+def effective_config(args: argparse.Namespace) -> str:
+    """Every flag's value in `args` as a --config file (TOML)."""
+    keys = flag_keys(_train_parser())
+    return to_toml({key: getattr(args, key) for key in keys}, keys,
+                   "The effective configuration of `shardshift train` (docs/config.md); "
+                   "`shardshift train --config FILE` reads it back.")
+
+
+def _write_config(args: argparse.Namespace) -> None:
+    """The effective configuration as --run-dir's config.toml (nothing without --run-dir)."""
+    if args.run_dir is not None:
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.run_dir) / "config.toml").write_text(effective_config(args))
 
 
 def _switches(args: argparse.Namespace, layout: Layout) -> tuple[tuple[int, Layout], ...]:
@@ -293,6 +366,8 @@ def _elastic_run(args: argparse.Namespace) -> int:
     try:
         if not args.timeout > 0:
             raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
+        if args.profile is not None:
+            raise ValueError("--profile traces the steps of a fixed run: leave it out under --elastic")
         if args.device == "cuda":
             raise ValueError("--elastic runs on the CPU with gloo in this build (the state moves between worlds over "
                              "gloo groups of CPU tensors): leave --device out or pass --device cpu")
@@ -312,6 +387,7 @@ def _elastic_run(args: argparse.Namespace) -> int:
 
                 host, port = parse_address(args.coordinator) if args.coordinator else ("127.0.0.1", 1)
                 hosts_topology(cfg.topology, [host_of_this_process(host, port)], "--topology")
+            _write_config(args)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
@@ -331,6 +407,14 @@ def _elastic_run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        apply_config(args)
+    except ValueError as err:
+        print(f"shardshift: error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(effective_config(args))
+        return 0
     if args.elastic:
         return _elastic_run(args)
     given = [flag for flag, value in (("--inject", args.inject), ("--layout-for", args.layout_for),
@@ -354,6 +438,7 @@ def run(args: argparse.Namespace) -> int:
             args.run_dir = _new_run_dir()  # the workers are told where it is
             argv += ["--run-dir", args.run_dir]
         cfg = config_from_args(args, layout)  # also checks every --switch layout against the job
+        profile = _profile(args, cfg.steps)
         if not in_worker():
             if args.run_dir is not None:
                 if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
@@ -362,13 +447,15 @@ def run(args: argparse.Namespace) -> int:
             _check_before_launch(cfg, args.log_dir)
             if args.device == "cuda":  # a GPU per rank, or the error says what to do (it needs torch: last)
                 resolve_device("cuda", nproc)
+            _write_config(args)
     except ValueError as err:
         print(f"shardshift: error: {err}", file=sys.stderr)
         return 2
     if in_worker():
+        from shardshift.train.loop import ProfileSteps
         from shardshift.train.run import worker_main
 
-        return worker_main(cfg, args.timeout)
+        return worker_main(cfg, args.timeout, profile=None if profile is None else ProfileSteps(*profile))
     from shardshift.launch import launch
 
     if args.run_dir is not None:

@@ -91,6 +91,10 @@ class Manifest:
     # The tokenizer of the run's prepared data (its entry in the data's manifest; its file, if any, is
     # among `files`); None: the data were a text file, read as bytes.
     tokenizer: dict | None = None
+    # The run's configuration as `shardshift train --config` keys (`argv.train_keys`: the flags a
+    # TrainConfig holds, under the layout it was saved under, switches aside); None: written before
+    # manifests recorded it.
+    config: dict | None = None
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
@@ -113,11 +117,13 @@ class Manifest:
         layout = _field(data, "layout", _text, "a layout")
         step = _field(data, "step", _whole, "a step number")
         tokenizer = _field(data, "tokenizer", _entry, "a tokenizer's entry") if data.get("tokenizer") else None
-        return cls(FORMAT, run, layout, step, files, tokenizer)
+        config = _field(data, "config", _table, "a table of flags") if data.get("config") else None
+        return cls(FORMAT, run, layout, step, files, tokenizer, config)
 
     def write(self, path: Path) -> None:
         data = {"format": self.format, "run": self.run.as_dict(), "layout": self.layout, "step": self.step,
-                "files": self.files, "tokenizer": self.tokenizer}
+                "files": self.files, "tokenizer": self.tokenizer,
+                "config": self.config}
         tmp = path / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
@@ -149,6 +155,12 @@ def _whole(value) -> int:
 
 def _entry(value) -> dict:
     if not isinstance(value, dict) or not {"kind", "vocab_size", "eod"} <= value.keys():
+        raise TypeError(value)
+    return value
+
+
+def _table(value) -> dict:
+    if not isinstance(value, dict):
         raise TypeError(value)
     return value
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from shardshift.files import fsync_path
+from shardshift.train.argv import train_keys
 from shardshift.train.catalog import (
     FORMAT,
     PARTIAL_PREFIX,
@@ -85,7 +86,7 @@ def publish(trainer: Trainer, partial: Path, keep: int = 0) -> Path:
         run = RunIdentity.of(trainer.cfg, trainer.corpus.digest)
         files = dict(sorted(item for share in shares for item in share.items()))
         Manifest(FORMAT, run, str(trainer.cfg.layout), trainer.progress.step, files,
-                 trainer.corpus.tokenizer).write(partial)
+                 trainer.corpus.tokenizer, train_keys(trainer.cfg, switches=False)).write(partial)
         _publish(partial, final)
         if keep:
             for old in prunable(final.parent, run, trainer.progress.step, keep):

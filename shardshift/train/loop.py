@@ -224,3 +224,44 @@ class StopOnSignal(Hook):
     def agreed(self, loop: Loop, values: list[int], result: StepResult) -> int:
         return values[0]
 
+
+
+class ProfileSteps(Hook):
+    """``--profile A:B``: a torch profiler trace (CPU activities, and CUDA's on a GPU) of steps A to B,
+    1-based and inclusive (what the boundaries between them do included), written by every rank as
+    a Chrome trace, ``directory/profile-rank-N.json``, once step B is done, or when the run stops
+    or reaches `stop_at` sooner. A resumed run past A traces from its first step."""
+
+    def __init__(self, first: int, last: int, directory: str) -> None:
+        self.first, self.last, self.directory = first, last, directory
+        self.profiler: torch.profiler.profile | None = None
+        self.done = False
+
+    def before_step(self, loop: Loop) -> None:
+        if self.done or self.profiler is not None or not self.first <= loop.trainer.progress.step + 1 <= self.last:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if loop.trainer.par.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.start()
+
+    def after_boundary(self, loop: Loop) -> None:
+        if loop.trainer is not None and loop.trainer.progress.step >= self.last:
+            self._write(loop)
+
+    def stopping(self, loop: Loop, signum: int) -> None:
+        self._write(loop)
+
+    def finished(self, loop: Loop) -> None:
+        self._write(loop)
+
+    def _write(self, loop: Loop) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        path = f"{self.directory}/profile-rank-{loop.rank}.json"
+        self.profiler.export_chrome_trace(path)
+        self.profiler, self.done = None, True
+        if loop.rank == 0:
+            say(f"wrote the profile of steps {self.first}..{self.last} as {self.directory}/profile-rank-N.json")

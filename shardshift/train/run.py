@@ -34,7 +34,7 @@ from shardshift.runtime import run_in_group, say_device_note
 from shardshift.train import checkpoint
 from shardshift.train.catalog import REPLACED_PREFIX, RunIdentity, check_save_dir, checkpoints, choose
 from shardshift.train.config import TrainConfig
-from shardshift.train.loop import Loop, ScheduledSwitches, StopOnSignal
+from shardshift.train.loop import Hook, Loop, ProfileSteps, ScheduledSwitches, StopOnSignal
 from shardshift.train.report import Metrics, Signals, Stopped, Summary
 from shardshift.train.state import LostState
 from shardshift.train.trainer import Diverged, Trainer
@@ -42,8 +42,8 @@ from shardshift.train.trainer import Diverged, Trainer
 DIVERGED_EXIT = 3
 
 
-def run_training(cfg: TrainConfig, timeout_s: float) -> int:
-    run_in_group(timeout_s, lambda proc: _train(cfg, proc, timeout_s))
+def run_training(cfg: TrainConfig, timeout_s: float, profile: ProfileSteps | None = None) -> int:
+    run_in_group(timeout_s, lambda proc: _train(cfg, proc, timeout_s, profile))
     return 0
 
 
@@ -80,7 +80,7 @@ def _choose(cfg: TrainConfig, corpus: Corpus) -> str | None:
     return None if choice.path is None else str(choice.path)
 
 
-def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
+def _train(cfg: TrainConfig, proc, timeout_s: float, profile: ProfileSteps | None) -> None:
     cfg.layout.check_world(proc.world_size)
     if cfg.collectives == "trees" and proc.device_type != "cpu":
         raise ValueError("--collectives trees runs on CPU tensors (gloo) only in this build: on GPUs leave it out "
@@ -100,7 +100,9 @@ def _train(cfg: TrainConfig, proc, timeout_s: float) -> None:
             f"{cfg.layout} on {proc.world_size} {proc.device_type} ranks, {cfg.dtype}"
         )
     signals = Signals()
-    loop = Loop(cfg, trainer, metrics, Summary(cfg), [ScheduledSwitches(cfg, trainer), StopOnSignal(signals)])
+    # The profiler's first: a switch before a step it traces is in the trace.
+    hooks: list[Hook] = [] if profile is None else [profile]
+    loop = Loop(cfg, trainer, metrics, Summary(cfg), [*hooks, ScheduledSwitches(cfg, trainer), StopOnSignal(signals)])
     try:
         loop.run()
     except (TransferError, LostState) as err:
@@ -130,9 +132,9 @@ class SwitchFailed(RunFailed):
         super().__init__(f"{err}; the training state is lost: {where}")
 
 
-def worker_main(cfg: TrainConfig, timeout_s: float) -> int:
-    """Run one rank (`exit_status`)."""
-    return exit_status(lambda: run_training(cfg, timeout_s))
+def worker_main(cfg: TrainConfig, timeout_s: float, profile: ProfileSteps | None = None) -> int:
+    """Run one rank (`exit_status`), traced by `profile` (``--profile``) when given."""
+    return exit_status(lambda: run_training(cfg, timeout_s, profile))
 
 
 def exit_status(body: Callable[[], int]) -> int:

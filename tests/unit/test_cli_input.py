@@ -428,3 +428,122 @@ def test_prepared_data_that_does_not_fit_the_run_is_refused_in_one_line(argv, ne
     out, err = capsys.readouterr()
     assert err.startswith("shardshift: error: ") and err.count("\n") == 1, err
     assert needle.format(**prepared) in err, err
+
+
+# ---- --config FILE and --profile -------------------------------------------------------------------
+
+CONFIG_REFUSALS = [  # the file's content (None: no file there), the one line's needle after "--config {f}: "
+    (b'globl_batch = 16\n', "unknown key 'globl_batch'; keys are the flags of `shardshift train` with underscores"),
+    (b'global-batch = 16\n', "unknown key 'global-batch'; write global_batch"),
+    (b'global_batch = "16"\n', 'global_batch = "16" is not an integer; write e.g. global_batch = 16'),
+    (b'global_batch = true\n', "global_batch = true is not an integer"),
+    (b'lr = "fast"\n', 'lr = "fast" is not a number; write e.g. lr = 0.003'),
+    (b'plot = 1\n', "plot = 1 is not true or false; write e.g. plot = true"),
+    (b'switch = "20:tp=2,pp=2"\n', 'switch = "20:tp=2,pp=2" is not a list of strings; write e.g. switch = ["..."]'),
+    (b'switch = [20]\n', "is not a list of strings"),
+    (b'collectives = "nccl"\n', 'collectives = "nccl": choose one of "gloo", "trees"'),
+    (b'[train]\nsteps = 3\n', "unknown key 'train'"),
+    (b'config = "other.toml"\n', "key 'config': --config is a flag of the command line only"),
+    (b'steps = \n', "not valid TOML (Invalid value (at line 1, column 9))"),
+    (b'', "the file is empty"),
+    (bytes(range(256)), "not UTF-8 text"),
+    (None, "no such file"),
+]
+
+
+@pytest.mark.parametrize("content, needle", CONFIG_REFUSALS, ids=[n[:30] for _, n in CONFIG_REFUSALS])
+def test_a_config_file_that_is_not_one_is_refused_in_one_line_naming_it_and_the_key(content, needle, tmp_path,
+                                                                                     capsys):
+    path = tmp_path / "run.toml"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["train", "--config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"shardshift: error: --config {path}: ") and err.count("\n") == 1, err
+    assert needle in err, err
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--profile", "3"], "--profile '3' is not STEP:STEP"),
+    (["--profile", "a:b"], "--profile 'a:b' is not STEP:STEP"),
+    (["--profile", "5:3"], "--profile 5:3: step 5 comes after step 3; write --profile 3:5"),
+    (["--profile", "0:2"], r"--profile 0:2: the steps must lie in \[1, --steps 50\]"),
+    (["--profile", "1:51"], r"--profile 1:51: the steps must lie in \[1, --steps 50\]"),
+    (["--nproc", "2", "--model", "test", "--global-batch", "4", "--profile", "1:2"],
+     "--profile 1:2 writes a trace per rank into the run's directory: give --run-dir DIR"),
+    ([*ELASTIC, "--nproc", "2", "--profile", "1:2"], "--profile traces the steps of a fixed run"),
+])
+def test_bad_profile_ranges_are_refused_before_any_process_starts(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default job names a run directory here (and makes none when it refuses)
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardshift: error: ") and err.count("\n") == 1, err
+    assert re.search(needle, err), err
+    assert not (tmp_path / "runs").exists()
+
+
+def _printed_config(argv: list[str], capsys) -> tuple[dict, set[str]]:
+    """What `train --print-config` prints: its keys' values, and the keys it says are not set."""
+    import tomllib
+
+    assert main(["train", *argv, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    return tomllib.loads(out), set(re.findall(r"^# (\w+): not set$", out, re.M))
+
+
+def test_print_config_reads_back_and_names_every_flag(tmp_path, capsys):
+    from shardshift.cli.main import build_parser
+
+    values, unset = _printed_config(["--model", "test", "--switch", "3:fsdp=4"], capsys)
+    flags = set(vars(build_parser(["train"]).parse_args(["train"]))) - {"command", "func", "config", "print_config"}
+    assert values.keys() | unset == flags
+    assert not values.keys() & unset
+    assert (values["model"], values["switch"], values["steps"], values["plot"]) == ("test", ["3:fsdp=4"], 50, False)
+    path = tmp_path / "printed.toml"
+    path.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in values.items()))  # what it printed, read back
+    assert _printed_config(["--config", str(path)], capsys) == (values, unset)
+
+
+def test_flags_on_the_command_line_override_the_config_file(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nglobal_batch = 8\nswitch = ["2:fsdp=4"]\nlayout_for = ["3:fsdp=3"]\nlr = 1\n'
+                    'plot = true\nmetrics = "m.jsonl"\n')
+    values, unset = _printed_config(["--config", str(path), "--steps", "3", "--switch", "3:tp=4"], capsys)
+    assert (values["steps"], values["switch"], values["global_batch"], values["lr"]) == (3, ["3:tp=4"], 8, 1.0)
+    assert (values["layout_for"], values["plot"], values["metrics"]) == (["3:fsdp=3"], True, "m.jsonl")
+    values, _ = _printed_config(["--steps", "3", "--config", str(path)], capsys)  # wherever --config stands
+    assert values["steps"] == 3
+
+
+def test_a_config_is_expanded_into_the_flags_the_ranks_parse(tmp_path):
+    """The ranks and an elastic job's joiners parse `args.argv`, which names no file: the same values."""
+    from shardshift.cli.main import build_parser
+    from shardshift.cli.train import apply_config
+
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nlayout = "dp=2"\nswitch = ["2:fsdp=2", "4:dp=2"]\nlr = 0.001\nplot = true\n'
+                    'data = "-odd name.txt"\ninject = []\n')
+    argv = ["train", "--config", str(path), "--seed", "3"]
+    args = build_parser(argv).parse_args(argv)
+    args.argv = argv
+    apply_config(args)
+    assert "--config" not in " ".join(args.argv)
+    again = build_parser(args.argv).parse_args(args.argv)
+    keep = {"config", "print_config", "argv", "func"}
+    assert {k: v for k, v in vars(again).items() if k not in keep} == {k: v for k, v in vars(args).items()
+                                                                        if k not in keep}
+    assert (again.steps, again.seed, again.switch, again.data) == (7, 3, ["2:fsdp=2", "4:dp=2"], "-odd name.txt")
+
+
+def test_a_manifest_without_a_config_still_reads(tmp_path):
+    """Checkpoints written before manifests recorded the configuration resume as before."""
+    from shardshift.train.catalog import FORMAT, MANIFEST, Manifest, RunIdentity
+
+    run = RunIdentity("test", {}, {}, 2, 0, 4, "float64", "digest")
+    Manifest(FORMAT, run, "dp=2", 2, {}, config={"steps": 2, "layout": "dp=2"}).write(tmp_path)
+    assert Manifest.read(tmp_path).config == {"steps": 2, "layout": "dp=2"}
+    data = json.loads((tmp_path / MANIFEST).read_text())
+    del data["config"]
+    (tmp_path / MANIFEST).write_text(json.dumps(data))
+    assert Manifest.read(tmp_path) == Manifest(FORMAT, run, "dp=2", 2, {})
