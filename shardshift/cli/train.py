@@ -50,6 +50,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
                    help="recompute each layer's activations in the backward instead of keeping them: full (all "
                         "of the layer), selective (all but its matrix products and attention); default none")
+    p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
+                   help="bf16: FSDP2 computes and gathers bfloat16 copies of the float32 parameters and reduces "
+                        "gradients in float32; bfloat16 autocast elsewhere (default none)")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="every K steps and at the last, the loss on the held-out split of a prepared --data "
                         "(`shardshift data prepare --val-fraction`), in the metrics and the progress line")
@@ -229,6 +232,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         activation_checkpointing=args.activation_checkpointing,
+        mixed_precision=args.mixed_precision,
         optim=optim,
         data=args.data,
         save=args.save or (str(Path(args.run_dir) / "checkpoints") if args.run_dir else None),

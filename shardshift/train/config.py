@@ -76,6 +76,9 @@ class TrainConfig:
     micro_batch_size: int = 0
     eval_every: int = 0  # held-out loss every K steps (and at the last); 0: never
     activation_checkpointing: str = "none"  # none, full or selective, per layer (`train.checkpointing`)
+    # "bf16": FSDP2 computes and gathers bfloat16 copies of the float32 parameters and reduces in float32
+    # (`parallelize.build_stage_skeleton`); bfloat16 autocast around what FSDP2 does not hold.
+    mixed_precision: str = "none"
     eval_batches: int = 4  # global batches of the held-out split each evaluation reads
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: str | None = None  # text file; None means the shipped corpus
@@ -132,6 +135,11 @@ class TrainConfig:
             raise ValueError(f"--eval-every {self.eval_every} must be >= 0 (0: no held-out loss)")
         if self.eval_batches < 1:
             raise ValueError(f"--eval-batches {self.eval_batches} must be >= 1")
+        if self.mixed_precision not in ("none", "bf16"):
+            raise ValueError(f"--mixed-precision {self.mixed_precision!r}: choose none or bf16")
+        if self.mixed_precision == "bf16" and self.dtype != "float32":
+            raise ValueError(f"--mixed-precision bf16 keeps float32 parameters and computes in bfloat16: give --dtype "
+                             f"float32 (the default), not {self.dtype}")
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r}: choose none, full or "
                              "selective")
@@ -277,8 +285,9 @@ class TrainConfig:
         return torch_dtype("float32" if self.dtype == "bfloat16" else self.dtype)
 
     def autocast(self, device_type: str):
-        """The context the forward runs in: bfloat16 autocast, or nothing."""
-        if self.dtype == "bfloat16":
+        """The context the forward runs in: bfloat16 autocast (``--dtype bfloat16``, or around what
+        FSDP2 does not hold under ``--mixed-precision bf16``), or nothing."""
+        if self.dtype == "bfloat16" or self.mixed_precision == "bf16":
             import torch
 
             return torch.autocast(device_type, dtype=torch.bfloat16)

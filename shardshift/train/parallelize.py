@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -187,9 +187,10 @@ def forget_old_meshes() -> None:
     clear_sharding_caches()
 
 
-def build_stage_model(spec: ModelSpec, par: Parallel, dtype: torch.dtype, seed: int) -> nn.Module:
+def build_stage_model(spec: ModelSpec, par: Parallel, dtype: torch.dtype, seed: int,
+                      mixed_precision: str = "none") -> nn.Module:
     """This rank's part of the model, parallelized, with its local shards initialised."""
-    model = build_stage_skeleton(spec, par, dtype)
+    model = build_stage_skeleton(spec, par, dtype, mixed_precision)
     shared = shared_parameters(model)
     model.to_empty(device=par.device)
     tie(model, shared)
@@ -230,8 +231,11 @@ def tie(model: nn.Module, shared: dict[str, str]) -> None:
         setattr(model.get_submodule(parent), leaf, model.get_parameter(source))
 
 
-def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> nn.Module:
+def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype, mixed_precision: str = "none") -> nn.Module:
     """This rank's part of the model, parallelized, with every parameter still on the meta device.
+    Under ``mixed_precision="bf16"`` FSDP2 gathers and computes with bfloat16 copies of its
+    parameters and reduces their gradients in float32 (`MixedPrecisionPolicy`); the parameters it
+    holds, and so the state, stay in `dtype`.
 
     Its parameters are allocated later: all at once (``to_empty``), or leaf module by leaf module
     while a switch fills them (`materialize`). Its buffers, which no checkpoint or switch moves,
@@ -263,11 +267,13 @@ def build_stage_skeleton(spec: ModelSpec, par: Parallel, dtype: torch.dtype) -> 
         # FSDP2 warns when a module returns a view, in case the caller modifies it in place; the
         # head's output is a view and the loss reads it out of place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if mixed_precision == "bf16" else MixedPrecisionPolicy()
         for module in experts:  # a unit of their own: their parameters live on the ep mesh
-            fully_shard(module, mesh=data_mesh, reshard_after_forward=reshard)
+            fully_shard(module, mesh=data_mesh, reshard_after_forward=reshard, mp_policy=policy)
         for layer in layers.values():
-            fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard, mp_policy=policy)
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             setattr(module, name, torch.empty_like(buffer, device=par.device))

@@ -62,7 +62,7 @@ class TrainingState:
         """The state a run starts from: weights from `cfg.seed` (the same in every layout), AdamW
         moments at zero, step 0, the generator seeded."""
         torch.manual_seed(cfg.seed)
-        model = build_stage_model(cfg.model, par, cfg.param_dtype, cfg.seed)
+        model = build_stage_model(cfg.model, par, cfg.param_dtype, cfg.seed, cfg.mixed_precision)
         return cls(par, model, build_optimizer(model, cfg.optim), Progress())
 
     # ---- the logical tensors -------------------------------------------------------------------

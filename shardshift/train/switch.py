@@ -222,7 +222,7 @@ def prepare_switch(cfg: TrainConfig, state: TrainingState, rank: int, layout: La
     plan = plan_transition(space, Assignment(cfg.layout, state.par.ranks), layout)
     schedule = build_schedule(plan, budget)
     par = build_parallel(layout, rank, state.par.device.type, plan.new.ranks, state.par.trees)
-    model = build_stage_skeleton(new_cfg.model, par, new_cfg.param_dtype)
+    model = build_stage_skeleton(new_cfg.model, par, new_cfg.param_dtype, new_cfg.mixed_precision)
     sink = _ModelSink(model, space, par.device)
     program = compile_program(schedule, rank)
     return PreparedSwitch(new_cfg, plan, schedule, par, model, space, sink, program, time.perf_counter() - start)
@@ -277,13 +277,13 @@ def warm_up(cfg: TrainConfig, par: Parallel | None, device_type: str = "cpu") ->
     start = time.perf_counter()
     space = state_space(cfg.model, cfg.param_dtype)
     if par is not None:
-        _ModelSink(build_stage_skeleton(cfg.model, par, cfg.param_dtype), space, par.device)
+        _ModelSink(build_stage_skeleton(cfg.model, par, cfg.param_dtype, cfg.mixed_precision), space, par.device)
         return time.perf_counter() - start
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         alone = build_parallel(Layout(), 0, device_type)
-        model = build_stage_skeleton(cfg.model, alone, cfg.param_dtype)
+        model = build_stage_skeleton(cfg.model, alone, cfg.param_dtype, cfg.mixed_precision)
         mesh = init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
         for layer in model.get_submodule(cfg.model.pipeline.layers).values():
             fully_shard(layer, mesh=mesh)
@@ -313,7 +313,7 @@ def switch_world(old: TrainingState | None, plan: TransitionPlan, program: Switc
     space = state_space(new_cfg.model, new_cfg.param_dtype)
     sink = model = None
     if new_par is not None:
-        model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype)
+        model = build_stage_skeleton(new_cfg.model, new_par, new_cfg.param_dtype, new_cfg.mixed_precision)
         sink = _ModelSink(model, space, new_par.device)
     device = new_par.device if new_par is not None else old.par.device
     source = _StateSource(old, space, copies, keep=keep_old) if old is not None else _Nothing()
