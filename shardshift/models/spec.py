@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shardshift.layout import Layout
+from shardshift.layout import Layout, divisors
 from shardshift.reshard.training import FIRST, LAST
 
 if TYPE_CHECKING:
@@ -70,6 +71,22 @@ class PipelineSplit:
         if any(fqn == m or fqn.startswith(m + ".") for m in self.last):
             return LAST
         raise AssertionError(f"parameter {fqn!r} is in no layer and in no module of the first or the last stage")
+
+
+def check_divides(axis: str, degree: int, widths: Sequence[tuple[str, int]]) -> None:
+    """Refuse a degree of `axis` that does not divide one of `widths`, each (how a message names it,
+    e.g. ``"n_heads=8"``, its size): ValueError naming the first and the degrees that divide them all."""
+    for what, size in widths:
+        if size % degree:
+            valid = divisors(math.gcd(*(s for _, s in widths)))
+            raise ValueError(f"{axis}={degree} does not divide {what}; choose {axis} in "
+                             f"{{{', '.join(map(str, valid))}}}")
+
+
+def check_stages(pp: int, num_layers: int, what: str) -> None:
+    """Refuse more pipeline stages than layers; `what` names the layers' count (``"n_layers=5"``)."""
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} is larger than the number of layers {what}; choose pp <= {num_layers}")
 
 
 def plan_matcher(tp_plan: Mapping[str, str]):

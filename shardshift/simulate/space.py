@@ -27,7 +27,8 @@ import math
 import numpy as np
 import torch
 
-from shardshift.layout import Layout, divisors
+from shardshift.layout import Layout
+from shardshift.models.spec import check_divides, check_stages
 from shardshift.reshard.classes import all_classes
 from shardshift.reshard.space import StateSpace
 from shardshift.reshard.training import FIRST, LAST, ParamRule, TrainingSpace
@@ -64,20 +65,13 @@ class SpecSpace(TrainingSpace):
         spec = self.spec
         if layout.ep > 1 and not spec.moe:
             raise ValueError(f"ep={layout.ep}: {spec.name} is dense, it has no experts to split; choose ep=1")
-        if spec.moe and spec.num_experts % layout.ep:
-            raise ValueError(f"ep={layout.ep} does not divide num_experts={spec.num_experts}; choose ep in "
-                             f"{{{', '.join(map(str, divisors(spec.num_experts)))}}}")
+        if spec.moe:
+            check_divides("ep", layout.ep, [(f"num_experts={spec.num_experts}", spec.num_experts)])
         widths = {"num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads}
         widths.update({"moe_intermediate_size": spec.moe_intermediate_size} if spec.moe
                       else {"intermediate_size": spec.intermediate_size})
-        for name, size in widths.items():
-            if size % layout.tp:
-                valid = divisors(math.gcd(*widths.values()))
-                raise ValueError(f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                                 f"{{{', '.join(map(str, valid))}}}")
-        if layout.pp > spec.num_hidden_layers:
-            raise ValueError(f"pp={layout.pp} is larger than the number of layers num_hidden_layers="
-                             f"{spec.num_hidden_layers}; choose pp <= {spec.num_hidden_layers}")
+        check_divides("tp", layout.tp, [(f"{name}={size}", size) for name, size in widths.items()])
+        check_stages(layout.pp, spec.num_hidden_layers, f"num_hidden_layers={spec.num_hidden_layers}")
 
 
 def _rule(name: str) -> ParamRule:

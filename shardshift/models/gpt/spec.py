@@ -7,9 +7,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from shardshift.layout import Layout, divisors
+from shardshift.layout import Layout
 from shardshift.models.gpt.config import PRESETS, GPTConfig
-from shardshift.models.spec import ModelSpec, PipelineSplit
+from shardshift.models.spec import ModelSpec, PipelineSplit, check_divides, check_stages
 
 # Module -> its tensor-parallel style: each rank holds n_head / tp heads' worth of query, key and value
 # columns and d_ff / tp hidden units; the attention output and the MLP's second projection are
@@ -72,19 +72,8 @@ class GPTSpec(ModelSpec):
                 f"ep={layout.ep}: the GPT has no experts to split; ep is for planning mixture-of-experts "
                 f"models with `shardshift simulate` (train with ep=1)"
             )
-        if layout.tp > 1:
-            for name, size in (("n_head", cfg.n_head), ("d_ff", cfg.d_ff)):
-                if size % layout.tp:
-                    valid = [t for t in divisors(cfg.n_head) if cfg.d_ff % t == 0]
-                    raise ValueError(
-                        f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                        f"{{{', '.join(map(str, valid))}}}"
-                    )
-        if layout.pp > cfg.n_layer:
-            raise ValueError(
-                f"pp={layout.pp} is larger than the number of layers n_layer={cfg.n_layer}; "
-                f"choose pp <= {cfg.n_layer}"
-            )
+        check_divides("tp", layout.tp, [(f"n_head={cfg.n_head}", cfg.n_head), (f"d_ff={cfg.d_ff}", cfg.d_ff)])
+        check_stages(layout.pp, cfg.n_layer, f"n_layer={cfg.n_layer}")
 
     def build(self):
         from shardshift.models.gpt.model import GPT

@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from shardshift.layout import Layout, divisors
+from shardshift.layout import Layout
 from shardshift.models.hf.config import (
     CONFIG,
     HFConfig,
@@ -41,7 +41,7 @@ from shardshift.models.hf.config import (
 )
 from shardshift.models.hf.moe import HFMoESpec
 from shardshift.models.moe.hf import MOE_ARCHITECTURES
-from shardshift.models.spec import TP_STYLES, ModelSpec, PipelineSplit
+from shardshift.models.spec import TP_STYLES, ModelSpec, PipelineSplit, check_divides, check_stages
 
 PREFIX = "hf:"
 BACKBONE = "model"  # the causal LM's attribute holding the backbone, whose names the config's plan uses
@@ -133,14 +133,8 @@ class HFSpec(ModelSpec):
             raise ValueError(f"ep={layout.ep}: {cfg.architecture} has no experts to split; train with ep=1")
         sizes = (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
                  ("intermediate_size", cfg.intermediate_size))
-        for key, size in sizes:
-            if size % layout.tp:
-                valid = [t for t in divisors(cfg.num_kv_heads) if all(s % t == 0 for _, s in sizes)]
-                raise ValueError(f"tp={layout.tp} does not divide {key}={size} of {cfg.architecture}; choose tp in "
-                                 f"{{{', '.join(map(str, valid))}}}")
-        if layout.pp > cfg.num_layers:
-            raise ValueError(f"pp={layout.pp} is larger than the number of layers num_hidden_layers={cfg.num_layers}; "
-                             f"choose pp <= {cfg.num_layers}")
+        check_divides("tp", layout.tp, [(f"{key}={size} of {cfg.architecture}", size) for key, size in sizes])
+        check_stages(layout.pp, cfg.num_layers, f"num_hidden_layers={cfg.num_layers}")
         if layout.pp > 1 and cfg.tied:
             raise ValueError(f"pp={layout.pp}: {cfg.architecture} ties its head to its embeddings "
                              f"(tie_word_embeddings), one parameter that the first and the last stage would both "

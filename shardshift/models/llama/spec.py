@@ -5,13 +5,12 @@ refuses, and its Hugging Face ``config.json`` (`LlamaSpec.hf_config`), over its 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardshift.layout import Layout, divisors
+from shardshift.layout import Layout
 from shardshift.models.llama.config import PRESETS, LlamaConfig
-from shardshift.models.spec import ModelSpec, PipelineSplit
+from shardshift.models.spec import ModelSpec, PipelineSplit, check_divides, check_stages
 
 # Module -> its tensor-parallel style, as Hugging Face's LlamaConfig.base_model_tp_plan has it (whose
 # names are relative to `model.`): each rank holds n_heads / tp query heads, n_kv_heads / tp
@@ -76,15 +75,10 @@ class LlamaSpec(ModelSpec):
         if layout.ep > 1:
             raise ValueError(f"ep={layout.ep}: {self.name} has no experts to split; ep is for planning "
                              f"mixture-of-experts models with `shardshift simulate` (train with ep=1)")
-        widths = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "intermediate_size": cfg.intermediate_size}
-        for name, size in widths.items():
-            if size % layout.tp:
-                valid = divisors(math.gcd(*widths.values()))
-                raise ValueError(f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                                 f"{{{', '.join(map(str, valid))}}}")
-        if layout.pp > cfg.n_layers:
-            raise ValueError(f"pp={layout.pp} is larger than the number of layers n_layers={cfg.n_layers}; "
-                             f"choose pp <= {cfg.n_layers}")
+        check_divides("tp", layout.tp, [(f"n_heads={cfg.n_heads}", cfg.n_heads),
+                                        (f"n_kv_heads={cfg.n_kv_heads}", cfg.n_kv_heads),
+                                        (f"intermediate_size={cfg.intermediate_size}", cfg.intermediate_size)])
+        check_stages(layout.pp, cfg.n_layers, f"n_layers={cfg.n_layers}")
         if layout.pp > 1 and cfg.tie_word_embeddings:
             raise ValueError(f"pp={layout.pp}: {self.name} ties its head to its embedding, which live on the first "
                              f"and the last pipeline stage; choose pp=1, or a model with tie_word_embeddings false")

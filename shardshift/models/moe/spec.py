@@ -5,14 +5,13 @@ the layouts it refuses and its loss (cross entropy plus the load-balancing term)
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardshift.layout import Layout, divisors
+from shardshift.layout import Layout
 from shardshift.models.llama.spec import TP_PLAN as LLAMA_TP_PLAN
 from shardshift.models.moe.config import PRESETS, MoEConfig
-from shardshift.models.spec import ModelSpec, PipelineSplit
+from shardshift.models.spec import ModelSpec, PipelineSplit, check_divides, check_stages
 
 ATTENTION_TP_PLAN = {name: style for name, style in LLAMA_TP_PLAN.items() if ".self_attn." in name}
 # Qwen3's norms over each head: every tp rank norms the heads it holds with the whole gains, whose
@@ -92,21 +91,12 @@ class MoESpec(ModelSpec):
 
     def check_layout(self, layout: Layout) -> None:
         cfg = self.config
-        if cfg.num_experts % layout.ep:
-            choices = [d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]
-            raise ValueError(f"ep={layout.ep} does not divide num_experts={cfg.num_experts}; choose ep in "
-                             f"{{{', '.join(map(str, choices))}}}")
+        check_divides("ep", layout.ep, [(f"num_experts={cfg.num_experts}", cfg.num_experts)])
         widths = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads}
         if cfg.shared_expert_intermediate_size:
             widths["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
-        for name, size in widths.items():
-            if size % layout.tp:
-                valid = divisors(math.gcd(*widths.values()))
-                raise ValueError(f"tp={layout.tp} does not divide {name}={size}; choose tp in "
-                                 f"{{{', '.join(map(str, valid))}}}")
-        if layout.pp > cfg.n_layers:
-            raise ValueError(f"pp={layout.pp} is larger than the number of layers n_layers={cfg.n_layers}; "
-                             f"choose pp <= {cfg.n_layers}")
+        check_divides("tp", layout.tp, [(f"{name}={size}", size) for name, size in widths.items()])
+        check_stages(layout.pp, cfg.n_layers, f"n_layers={cfg.n_layers}")
 
     def build(self):
         from shardshift.models.moe.model import MoE

@@ -29,12 +29,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from shardshift.layout import Layout, divisors
-from shardshift.models.spec import TP_STYLES, ModelSpec, PipelineSplit, plan_matcher
+from shardshift.layout import Layout
+from shardshift.models.spec import (
+    TP_STYLES,
+    ModelSpec,
+    PipelineSplit,
+    check_divides,
+    check_stages,
+    plan_matcher,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -133,14 +139,8 @@ class ModuleSpec(ModelSpec):
             sizes = [(f"the {what}={size} of {module} ({style})", size)
                      for module, style, what, size in structure.split_widths]
             sizes += [(f"{key}={self.config[key]}", self.config[key]) for key in self.tp_divides]
-            for what, size in sizes:
-                if size % layout.tp:
-                    valid = divisors(math.gcd(*(s for _, s in sizes)))
-                    raise ValueError(f"tp={layout.tp} does not divide {what}; choose tp in "
-                                     f"{{{', '.join(map(str, valid))}}}")
-        if layout.pp > structure.num_layers:
-            raise ValueError(f"pp={layout.pp} is larger than the number of layers ({self.layers} holds "
-                             f"{structure.num_layers}); choose pp <= {structure.num_layers}")
+            check_divides("tp", layout.tp, sizes)
+        check_stages(layout.pp, structure.num_layers, f"({self.layers} holds {structure.num_layers})")
         if layout.pp > 1 and structure.shared_across_stages:
             raise ValueError(f"pp={layout.pp}: {self.name} shares {' and '.join(structure.shared_across_stages)}, "
                              f"one parameter that two pipeline stages would both need; train it with pp=1")
