@@ -199,3 +199,32 @@ class ModelSpec(abc.ABC):
     def loss(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of the model's output (logits (b, t, vocab), or what `logits` reads them from)
         against targets (b, t)."""
+
+
+class SizedSpec(ModelSpec):
+    """A model that is its name and a frozen dataclass of sizes (`config`), as the built-in families
+    are: the sizes the engine asks for are the configuration's (a GPT's hidden size is its
+    ``d_model``), its JSON form the dataclass's fields."""
+
+    config: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.seq_len
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def config_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config)
+
+    def with_config(self, config: Mapping[str, Any]) -> SizedSpec:
+        return dataclasses.replace(self, config=type(self.config)(**config))
+
+    def num_params(self) -> int:
+        return self.config.num_params()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from shardshift.layout import Layout
 from shardshift.models.gpt.config import PRESETS, GPTConfig
-from shardshift.models.spec import ModelSpec, PipelineSplit, check_divides, check_stages
+from shardshift.models.spec import PipelineSplit, SizedSpec, check_divides, check_stages
 
 # Module -> its tensor-parallel style: each rank holds n_head / tp heads' worth of query, key and value
 # columns and d_ff / tp hidden units; the attention output and the MLP's second projection are
@@ -25,7 +24,7 @@ TP_PLAN = {
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTSpec(ModelSpec):
+class GPTSpec(SizedSpec):
     """A GPT with a byte-level vocabulary (`model.GPT`): LayerNorm, GELU, learned positions, full
     multi-head attention."""
 
@@ -35,14 +34,6 @@ class GPTSpec(ModelSpec):
     @classmethod
     def preset(cls, name: str) -> GPTSpec:
         return cls(name, PRESETS[name])
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.config.seq_len
 
     @property
     def hidden_size(self) -> int:
@@ -55,15 +46,6 @@ class GPTSpec(ModelSpec):
     @property
     def tp_plan(self) -> Mapping[str, str]:
         return TP_PLAN
-
-    def config_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.config)
-
-    def with_config(self, config: Mapping[str, Any]) -> GPTSpec:
-        return GPTSpec(self.name, GPTConfig(**config))
-
-    def num_params(self) -> int:
-        return self.config.num_params()
 
     def check_layout(self, layout: Layout) -> None:
         cfg = self.config

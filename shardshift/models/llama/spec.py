@@ -10,7 +10,7 @@ from typing import Any
 
 from shardshift.layout import Layout
 from shardshift.models.llama.config import PRESETS, LlamaConfig
-from shardshift.models.spec import ModelSpec, PipelineSplit, check_divides, check_stages
+from shardshift.models.spec import PipelineSplit, SizedSpec, check_divides, check_stages
 
 # Module -> its tensor-parallel style, as Hugging Face's LlamaConfig.base_model_tp_plan has it (whose
 # names are relative to `model.`): each rank holds n_heads / tp query heads, n_kv_heads / tp
@@ -29,7 +29,7 @@ TP_PLAN = {
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaSpec(ModelSpec):
+class LlamaSpec(SizedSpec):
     """A Llama (`model.Llama`): RMSNorm, rotary position embeddings, grouped-query attention, a
     SwiGLU MLP, no biases; Hugging Face's ``LlamaForCausalLM``, parameter for parameter."""
 
@@ -41,18 +41,6 @@ class LlamaSpec(ModelSpec):
         return cls(name, PRESETS[name])
 
     @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.config.seq_len
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
     def pipeline(self) -> PipelineSplit:
         last = ("model.norm",) if self.config.tie_word_embeddings else ("model.norm", "lm_head")
         return PipelineSplit("model.layers", self.config.n_layers, first=("model.embed_tokens",), last=last)
@@ -60,15 +48,6 @@ class LlamaSpec(ModelSpec):
     @property
     def tp_plan(self) -> Mapping[str, str]:
         return TP_PLAN
-
-    def config_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.config)
-
-    def with_config(self, config: Mapping[str, Any]) -> LlamaSpec:
-        return LlamaSpec(self.name, LlamaConfig(**config))
-
-    def num_params(self) -> int:
-        return self.config.num_params()
 
     def check_layout(self, layout: Layout) -> None:
         cfg = self.config

@@ -11,7 +11,7 @@ from typing import Any
 from shardshift.layout import Layout
 from shardshift.models.llama.spec import TP_PLAN as LLAMA_TP_PLAN
 from shardshift.models.moe.config import PRESETS, MoEConfig
-from shardshift.models.spec import ModelSpec, PipelineSplit, check_divides, check_stages
+from shardshift.models.spec import PipelineSplit, SizedSpec, check_divides, check_stages
 
 ATTENTION_TP_PLAN = {name: style for name, style in LLAMA_TP_PLAN.items() if ".self_attn." in name}
 # Qwen3's norms over each head: every tp rank norms the heads it holds with the whole gains, whose
@@ -30,7 +30,7 @@ SHARED_EXPERT_TP_PLAN = {
 
 
 @dataclasses.dataclass(frozen=True)
-class MoESpec(ModelSpec):
+class MoESpec(SizedSpec):
     """A Qwen3-MoE-style decoder (`model.MoE`): the Llama's attention with optional per-head
     norms, and in every layer a sparse mixture of experts routed top-k, dropless."""
 
@@ -40,18 +40,6 @@ class MoESpec(ModelSpec):
     @classmethod
     def preset(cls, name: str) -> MoESpec:
         return cls(name, PRESETS[name])
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.config.seq_len
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def pipeline(self) -> PipelineSplit:
@@ -69,15 +57,6 @@ class MoESpec(ModelSpec):
         if self.config.shared_expert_intermediate_size:
             plan.update(SHARED_EXPERT_TP_PLAN)
         return plan
-
-    def config_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.config)
-
-    def with_config(self, config: Mapping[str, Any]) -> MoESpec:
-        return MoESpec(self.name, MoEConfig(**config))
-
-    def num_params(self) -> int:
-        return self.config.num_params()
 
     def flops_per_token(self) -> int:
         """PaLM's count over the parameters a token reads: its top-k routed experts of the E."""
