@@ -73,6 +73,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="resume from the newest complete checkpoint in DIR (or that checkpoint), under any layout; "
                         "'auto': from --save's when it has any, else start fresh")
     p.add_argument("--metrics", default=None, help="JSONL file: one object per step")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="TensorBoard event files in DIR: loss, learning rate, gradient norm, tokens/s, memory, "
+                        "held-out loss, each switch and change of world (pip install 'shardshift[tensorboard]')")
     p.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
     p.add_argument("--switch", action="append", default=None, metavar="STEP:LAYOUT",
                    help="switch the layout online, in the running processes, before step STEP "
@@ -240,6 +243,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
         metrics=args.metrics or (str(Path(args.run_dir) / "metrics.jsonl") if args.run_dir else None),
+        tensorboard=args.tensorboard,
         log_every=args.log_every,
         switches=_switches(args, layout),
         switch_budget=parse_size(args.switch_budget, "--switch-budget"),
@@ -258,7 +262,7 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
     from shardshift.data.stream import BatchStream
     from shardshift.train.catalog import RunIdentity, check_save_dir, choose
 
-    for flag, value in (("--save", cfg.save), ("--log-dir", log_dir)):
+    for flag, value in (("--save", cfg.save), ("--log-dir", log_dir), ("--tensorboard", cfg.tensorboard)):
         if value is not None and Path(value).exists() and not Path(value).is_dir():
             raise ValueError(f"{flag} {value}: a file is in the way; give a directory")
     if cfg.plot:
@@ -288,6 +292,12 @@ def _check_before_launch(cfg, log_dir: str | None) -> None:
         check_save_dir(cfg.save, cfg.resume_from)
     if cfg.resume:
         choose(cfg.resume_from, RunIdentity.of(cfg, corpus.digest), missing_ok=cfg.resume == "auto")
+    if cfg.tensorboard is not None:
+        try:
+            Path(cfg.tensorboard).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--tensorboard {cfg.tensorboard}: cannot create the directory ({err.strerror}); give "
+                             "another") from None
 
 
 def _world_size(args: argparse.Namespace) -> int | None:
@@ -473,7 +483,8 @@ def run(args: argparse.Namespace) -> int:
 def _is_default_job(args: argparse.Namespace, layout: Layout) -> bool:
     """`shardshift train` as the README's first command runs it: the default layout and switches,
     and nothing said of where its outputs go."""
-    outputs = (args.metrics, args.save, args.resume, args.save_every, args.keep_checkpoints, args.plot)
+    outputs = (args.metrics, args.tensorboard, args.save, args.resume, args.save_every, args.keep_checkpoints,
+               args.plot)
     return args.layout is None and args.switch is None and layout == DEFAULT_LAYOUT and not any(outputs)
 
 

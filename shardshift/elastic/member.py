@@ -109,7 +109,7 @@ class ElasticWorker:
         resume = resume_point(cfg, self.corpus, proc.rank) if (cfg.resume or cfg.save) else None
         trainer = Trainer(cfg, proc.rank, self.device_type, corpus=self.corpus, timeout_s=self.timeout_s,
                           trees=self.trees(epoch))
-        self.loop.metrics = Metrics(cfg.metrics, proc.rank)
+        self.loop.metrics = Metrics.of(cfg, proc.rank)
         if resume is not None:
             checkpoint.load(trainer, resume)
             self.metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),
@@ -187,7 +187,7 @@ class ElasticWorker:
         """A new world is ready to train: its rank 0 records the change and says it in one line."""
         rank = self.trainer.rank
         self.loop.summary.changed(event["pause_seconds"])
-        self.loop.metrics = Metrics(self.cfg.metrics, rank)
+        self.loop.metrics = Metrics.of(self.cfg, rank)
         if rank != 0:
             return
         self.store.set_current(self.epoch.number)

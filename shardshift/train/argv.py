@@ -156,7 +156,7 @@ def train_keys(cfg, *, switches: bool = True) -> dict[str, object]:
               "eval_batches": cfg.eval_batches, "data": cfg.data, "lr": cfg.optim.lr,
               "warmup": cfg.optim.warmup_steps, "grad_clip": cfg.optim.grad_clip, "save": cfg.save,
               "save_every": cfg.save_every, "keep_checkpoints": cfg.keep_checkpoints, "resume": cfg.resume,
-              "metrics": cfg.metrics, "log_every": cfg.log_every,
+              "metrics": cfg.metrics, "tensorboard": cfg.tensorboard, "log_every": cfg.log_every,
               "switch": [f"{step}:{layout}" for step, layout in cfg.switches] if switches and cfg.switches else None,
               "switch_budget": str(cfg.switch_budget), "plot": cfg.plot, "collectives": cfg.collectives,
               "topology": cfg.topology}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -87,6 +88,7 @@ class TrainConfig:
     keep_checkpoints: int = 0  # keep the newest K checkpoints in `save` (0: all)
     resume: str | None = None  # checkpoint directory (or one checkpoint in it); "auto": `save`'s, if any
     metrics: str | None = None  # JSONL file that rank 0 appends one object per step to
+    tensorboard: str | None = None  # directory of rank 0's TensorBoard event files (`train.tensorboard`)
     log_every: int = 1
     # Online layout switches: (step, layout) switches before that step (1-based) runs.
     switches: tuple[tuple[int, Layout], ...] = ()
@@ -143,6 +145,10 @@ class TrainConfig:
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r}: choose none, full or "
                              "selective")
+        if self.tensorboard is not None and not self.tensorboard.strip():
+            raise ValueError("--tensorboard '' names no directory; give one, e.g. --tensorboard runs/tb")
+        if self.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install 'shardshift[tensorboard]'")
         object.__setattr__(self, "auto_micro_batches", self.micro_batches == 0)
         if self.micro_batches == 0:
             object.__setattr__(self, "micro_batches", self._pipeline_micro_batches())

@@ -1,6 +1,6 @@
-"""What a run says and records: the progress line and ``--metrics`` records of its steps and
-switches (`report_step`, `report_switch`; rank 0's `Metrics`), its `Summary` at the end, and the
-stop signals it records (`Signals`, `Stopped`)."""
+"""What a run says and records: the progress line and the ``--metrics`` and ``--tensorboard``
+records of its steps and switches (`report_step`, `report_switch`; rank 0's `Metrics`), its
+`Summary` at the end, and the stop signals it records (`Signals`, `Stopped`)."""
 
 from __future__ import annotations
 
@@ -55,19 +55,52 @@ class Signals:
 
 
 class Metrics:
-    """Rank 0's JSONL file of steps and events (a no-op elsewhere or without `--metrics`)."""
+    """Rank 0's records of steps and events: lines of a JSONL file (`path`, ``--metrics``) and a
+    TensorBoard event file in `tensorboard` (``--tensorboard``, `train.tensorboard`); a no-op
+    elsewhere or without either."""
 
-    def __init__(self, path: str | None, rank: int) -> None:
+    def __init__(self, path: str | None, rank: int, tensorboard: str | None = None) -> None:
         self.file = open(path, "a") if (path and rank == 0) else None
+        self.board = None
+        if tensorboard and rank == 0:
+            from shardshift.train.tensorboard import EventFile
+
+            self.board = EventFile(tensorboard)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, rank: int) -> Metrics:
+        """The records `cfg` asks for (``--metrics``, ``--tensorboard``), as `rank` writes them."""
+        return cls(cfg.metrics, rank, cfg.tensorboard)
 
     def write(self, record: dict) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.board is not None:
+            self.board.write(record, event_line(record) if "event" in record else "")
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def event_line(event: dict) -> str:
+    """What `event` (a record of `Metrics`) says, in one line."""
+    kind, step = event["event"], event["step"]
+    if kind == "switch":
+        return (f"switched {event['from']} -> {event['to']} before step {step} in {event['seconds']:.2f} s: moved "
+                f"{format_size(event['bytes_moved'])}")
+    if kind == "membership":
+        return (f"{event['kind']}: {event['from_world']} -> {event['to_world']} workers after step {step}, "
+                f"{event['from']} -> {event['to']}: paused {event['pause_seconds']:.2f} s, "
+                f"{event['steps_lost']} step(s) lost")
+    if kind == "resume":
+        return f"resumed from {event['checkpoint']} after step {step}, under {event['layout']}"
+    if kind == "summary":
+        return Summary.line(event)
+    return f"{kind} after step {step}"
 
 
 def report_step(cfg: TrainConfig, result: StepResult, metrics: Metrics) -> None:

@@ -18,6 +18,7 @@ Rank 0 prints best effort: with its terminal or reader gone, a run still saves a
 With `--metrics`, rank 0 appends one JSON object per step, one per switch, one ``resume``
 event when the run starts from a checkpoint (so that steps a crash made it redo are never
 mistaken for new ones), and one ``summary`` when it reaches `stop_at` (`Summary`; also printed).
+With `--tensorboard DIR`, the same records go to an event file in DIR (`train.tensorboard`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _train(cfg: TrainConfig, proc, timeout_s: float, profile: ProfileSteps | Non
     corpus = open_corpus(cfg.data)
     resume = resume_point(cfg, corpus, proc.rank) if (cfg.resume or cfg.save) else None
     trainer = Trainer(cfg, proc.rank, proc.device_type, corpus=corpus, timeout_s=timeout_s)
-    metrics = Metrics(cfg.metrics, proc.rank)
+    metrics = Metrics.of(cfg, proc.rank)
     if resume is not None:
         checkpoint.load(trainer, resume)
         metrics.write({"event": "resume", "step": trainer.progress.step, "checkpoint": str(resume),

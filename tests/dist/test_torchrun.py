@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from support.cli import run_shardshift
 from support.training import step_losses
@@ -20,7 +22,7 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
     under_torchrun = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "shardshift", *common,
          "--layout", "tp=2", "--switch", "2:fsdp=2", "--switch", "3:pp=2", "--save", str(tmp_path / "ckpt"),
-         "--metrics", str(tmp_path / "torchrun.jsonl")],
+         "--metrics", str(tmp_path / "torchrun.jsonl"), "--tensorboard", str(tmp_path / "tb")],
         capture_output=True, text=True, timeout=budget.left(),
     )
     assert under_torchrun.returncode == 0, under_torchrun.stderr[-3000:]
@@ -37,6 +39,17 @@ def test_torchrun_matches_the_local_launcher(tmp_path, budget):
         torch.tensor(list(step_losses(tmp_path / "torchrun.jsonl").values()), dtype=torch.float64),
         torch.tensor(list(step_losses(tmp_path / "local.jsonl").values()), dtype=torch.float64), rtol=1e-9, atol=0,
     )
+
+    # The same records, as TensorBoard's own reader reads its event file (scalars in float32).
+    board = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    board.Reload()
+    losses = [(e.step, e.value) for e in board.Scalars("train/loss")]
+    assert losses == [(s, pytest.approx(loss, rel=1e-6)) for s, loss in step_losses(tmp_path / "torchrun.jsonl").items()]
+    assert [e.step for e in board.Scalars("switch/seconds")] == [2, 3]
+    texts = [e.tensor_proto.string_val[0].decode() for e in board.Tensors("events/switch")]
+    assert [text.split(" in ")[0] for text in texts] == ["switched tp=2 -> fsdp=2 before step 2",
+                                                        "switched fsdp=2 -> pp=2 before step 3"], texts
+    assert [e.step for e in board.Tensors("events/summary")] == [3]
 
     # A resume under torchrun checks the run's identity too (nothing runs before its workers).
     other = subprocess.run(

@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import json
 import re
+import sys
 
 import pytest
 
@@ -150,7 +151,8 @@ def test_train_argv_gives_back_the_configuration_it_was_made_from():
                 optim=OptimConfig(lr=1e-3, warmup_steps=2, grad_clip=0.5), log_every=3, switch_budget=1 << 20)
     configs = [
         TrainConfig(layout=Layout(fsdp=2, tp=2), stop_at=4, data="corpus.txt", save="ckpt", save_every=2,
-                    resume="old", metrics="m.jsonl", switches=((3, Layout(tp=2, pp=2)), (6, Layout(dp=4))), **base),
+                    resume="old", metrics="m.jsonl", tensorboard="tb", switches=((3, Layout(tp=2, pp=2)), (6, Layout(dp=4))),
+                    **base),
         TrainConfig(layout=Layout(pp=2, dp=2), micro_batches=4, **base),
         TrainConfig(layout=Layout(pp=2, tp=2), micro_batch_size=2, eval_every=3, eval_batches=2, **base),
         TrainConfig(layout=Layout(dp=4), collectives="trees", topology="ring", **base),
@@ -232,6 +234,10 @@ BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error mu
     (["train", "--log-dir", "{afile}"], "--log-dir {afile}: a file is in the way"),
     (["train", "--metrics", "{dir}"], "--metrics {dir}: is a directory"),
     (["train", "--metrics", "{dir}/missing/m.jsonl"], "--metrics {dir}/missing/m.jsonl: no directory"),
+    (["train", "--tensorboard", "{afile}"], "--tensorboard {afile}: a file is in the way; give a directory"),
+    (["train", "--tensorboard", "{afile}/tb"], "--tensorboard {afile}/tb: cannot create the directory (Not a directory)"),
+    (["train", "--tensorboard", ""], "--tensorboard '' names no directory"),
+    (["train", "--elastic", "--nproc", "2", "--tensorboard", "{afile}"], "--tensorboard {afile}: a file is in the way"),
     (["train", "--resume", "{afile}"], "--resume {afile}: a file, not a directory"),
     (["train", "--resume", "{dir}"], "--resume {dir}: no complete checkpoint"),
     (["train", "--resume", "auto"], "--resume auto resumes from --save's directory: give --save DIR"),
@@ -273,6 +279,15 @@ def test_every_command_refuses_bad_input_in_one_line(argv, needle, tmp_path, cap
     assert err.startswith("shardshift: error: ") and err.count("\n") == 1, err
     assert needle.format(**files) in err, err
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("argv", [["train"], ["train", "--elastic", "--nproc", "2"]])
+def test_tensorboard_without_its_package_is_refused_saying_how_to_install_it(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: find_spec finds nothing
+    assert main([*argv, "--model", "test", "--global-batch", "4", "--tensorboard", str(tmp_path / "tb")]) == 2
+    assert capsys.readouterr().err == ("shardshift: error: --tensorboard needs the tensorboard package: "
+                                       "pip install 'shardshift[tensorboard]'\n")
+    assert not (tmp_path / "tb").exists()
 
 
 def test_the_default_switches_belong_to_the_default_job_only():
