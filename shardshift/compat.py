@@ -25,6 +25,12 @@ still holds, saying what to change when one does not).
 - ``ProcessGroup._register_backend`` and ``ProcessGroup._set_default_backend``
   (`delegate_to_gloo`): the ``shardshift`` process group hands every operation it does not run
   itself to a gloo group (`collectives.execution.backend`).
+- ``torch._dynamo.config.recompile_limit`` (`raise_recompile_limit`): how many compiled versions
+  of one function torch keeps before it runs that function eager; ``--compile`` raises it, as each
+  layout a process runs may compile its layers anew (`train.compiling`).
+- ``torch._dynamo.lookup_backend`` (`compile_backend`): the function behind a torch.compile
+  backend's name, which ``--compile`` calls from a backend of its own that counts the graphs it
+  compiles (`train.compiling`).
 
 Assumed, not called: FSDP2 on a tensor already split by tensor parallelism along the same dim
 places it as ``(_StridedShard(dim, split_factor=tp), Shard(dim))``, which is not a `Shard`
@@ -99,3 +105,21 @@ def delegate_to_gloo(group: dist.ProcessGroup, gloo: dist.ProcessGroupGloo) -> N
     """Make `gloo` run every CPU operation of `group` that `group` does not override."""
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+
+
+def compile_backend(name: str):
+    """The torch.compile backend named `name`: a function of a captured graph and its example inputs."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let torch.compile keep at least `limit` compiled versions of one function."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if not isinstance(getattr(config, "recompile_limit", None), int):
+        raise RuntimeError("torch._dynamo.config has no integer recompile_limit; shardshift.compat.raise_recompile_limit "
+                           "must follow it")
+    config.recompile_limit = max(config.recompile_limit, limit)

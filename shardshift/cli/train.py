@@ -53,6 +53,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
                    help="bf16: FSDP2 computes and gathers bfloat16 copies of the float32 parameters and reduces "
                         "gradients in float32; bfloat16 autocast elsewhere (default none)")
+    p.add_argument("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND",
+                   help="compile each layer's forward with torch.compile: inductor (the default backend: generated "
+                        "kernels), aot_eager (forward and backward traced, run by eager kernels) or eager; the first "
+                        "step after a start, a switch or a change of world compiles, or reuses what this process "
+                        "compiled for the same shapes (default: none)")
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="every K steps and at the last, the loss on the held-out split of a prepared --data "
                         "(`shardshift data prepare --val-fraction`), in the metrics and the progress line")
@@ -236,6 +241,7 @@ def config_from_args(args: argparse.Namespace, layout: Layout):
         eval_batches=args.eval_batches,
         activation_checkpointing=args.activation_checkpointing,
         mixed_precision=args.mixed_precision,
+        compile=args.compile,
         optim=optim,
         data=args.data,
         save=args.save or (str(Path(args.run_dir) / "checkpoints") if args.run_dir else None),

@@ -151,7 +151,7 @@ def train_keys(cfg, *, switches: bool = True) -> dict[str, object]:
               "seed": cfg.seed, "dtype": cfg.dtype, "global_batch": cfg.global_batch,
               "micro_batches": 0 if cfg.auto_micro_batches else cfg.micro_batches,
               "micro_batch_size": cfg.micro_batch_size, "activation_checkpointing": cfg.activation_checkpointing,
-              "mixed_precision": cfg.mixed_precision,
+              "mixed_precision": cfg.mixed_precision, "compile": cfg.compile,
               "eval_every": cfg.eval_every,
               "eval_batches": cfg.eval_batches, "data": cfg.data, "lr": cfg.optim.lr,
               "warmup": cfg.optim.warmup_steps, "grad_clip": cfg.optim.grad_clip, "save": cfg.save,

@@ -29,6 +29,11 @@ def torch_dtype(name: str) -> "torch.dtype":
 
     return getattr(torch, name)
 COLLECTIVES = ("gloo", "trees")  # `TrainConfig.collectives`
+# torch.compile's backends that --compile takes (`train.compiling`): inductor generates kernels (what
+# training wants); aot_eager traces each layer's forward and backward into graphs that eager kernels
+# run (the capture, checked at a fraction of inductor's cost: what the tests use); eager runs what
+# dynamo captures, with autograd as usual.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +85,8 @@ class TrainConfig:
     # "bf16": FSDP2 computes and gathers bfloat16 copies of the float32 parameters and reduces in float32
     # (`parallelize.build_stage_skeleton`); bfloat16 autocast around what FSDP2 does not hold.
     mixed_precision: str = "none"
+    # "none", or the torch.compile backend that compiles each layer's forward (`train.compiling`)
+    compile: str = "none"
     eval_batches: int = 4  # global batches of the held-out split each evaluation reads
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: str | None = None  # text file; None means the shipped corpus
@@ -142,6 +149,8 @@ class TrainConfig:
         if self.mixed_precision == "bf16" and self.dtype != "float32":
             raise ValueError(f"--mixed-precision bf16 keeps float32 parameters and computes in bfloat16: give --dtype "
                              f"float32 (the default), not {self.dtype}")
+        if self.compile not in ("none", *COMPILE_BACKENDS):
+            raise ValueError(f"--compile {self.compile!r}: choose a backend of {', '.join(COMPILE_BACKENDS)} (or none)")
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r}: choose none, full or "
                              "selective")

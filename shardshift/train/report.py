@@ -106,9 +106,10 @@ def event_line(event: dict) -> str:
 def report_step(cfg: TrainConfig, result: StepResult, metrics: Metrics) -> None:
     if cfg.log_every and (result.step % cfg.log_every == 0 or result.step == cfg.stop_at):
         mfu = "" if result.mfu is None else f" | MFU {result.mfu:.1%}"
+        compiled = f" | compiled {result.compiled} graph(s) in {result.step_time_s:.1f} s" if result.compiled else ""
         say(f"step {result.step:5d} | loss {result.loss:.6f} | lr {result.lr:.2e} | "
             f"grad norm {result.grad_norm:.3f} | {result.tokens_per_s:,.0f} tokens/s | "
-            f"{format_size(result.peak_memory)} peak | {result.flops_per_s / 1e9:,.2f} GFLOP/s{mfu}")
+            f"{format_size(result.peak_memory)} peak | {result.flops_per_s / 1e9:,.2f} GFLOP/s{mfu}{compiled}")
     metrics.write({
         "step": result.step,
         "loss": result.loss,
@@ -120,6 +121,7 @@ def report_step(cfg: TrainConfig, result: StepResult, metrics: Metrics) -> None:
         "peak_memory_bytes": result.peak_memory,
         "model_flops_per_s": result.flops_per_s,
         "mfu": result.mfu,
+        **({"compiled_graphs": result.compiled} if result.compiled else {}),
     })
 
 

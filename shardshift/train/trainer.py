@@ -25,6 +25,7 @@ from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
 from shardshift.train.checkpointing import apply_activation_checkpointing
+from shardshift.train.compiling import apply_compile, compiled_graphs
 from shardshift.train.config import TrainConfig
 from shardshift.train.memory import device_peak_flops, peak_bytes, reset_peak
 from shardshift.train.optim import clip_grad_norm
@@ -76,6 +77,7 @@ class StepResult:
     peak_memory: int = 0  # bytes: the largest of the ranks' peaks in the step (`train.memory`); 0: unknown
     flops_per_s: float = 0.0  # model FLOPs per second of the step, all ranks together (`train.memory`)
     mfu: float | None = None  # flops_per_s over the devices' peak, where known
+    compiled: int = 0  # graphs --compile compiled in the step (`train.compiling`): its time includes theirs
 
 
 class Trainer:
@@ -168,7 +170,10 @@ class Trainer:
     def _runtime(self, sync: bool) -> tuple[nn.Module, Schedule1F1B | None]:
         """What runs steps on the state: the module (a DDP wrapper under pure replication; `sync`
         broadcasts its parameters from rank 0 first) and, under pp, the pipeline."""
-        apply_activation_checkpointing(self.model, self.cfg.model.pipeline.layers, self.cfg.activation_checkpointing)
+        layers = self.cfg.model.pipeline.layers
+        apply_activation_checkpointing(self.model, layers, self.cfg.activation_checkpointing)
+        if self.cfg.compile != "none":
+            apply_compile(self.model, layers, self.cfg.compile)
         module = wrap_for_training(self.model, self.par, sync=sync)
         if self.cfg.layout.pp == 1:
             return module, None
@@ -291,7 +296,7 @@ class Trainer:
         time (an elastic run's copies of other workers' pieces step then)."""
         self.state.check_usable()
         cfg, layout, progress = self.cfg, self.cfg.layout, self.progress
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), compiled_graphs()
         reset_peak(self.par.device)
         inputs, targets = self.stream.batch(progress.position, layout.data_rank(self.par.coord), layout.data_parallel)
         inputs, targets = inputs.to(self.par.device), targets.to(self.par.device)
@@ -326,7 +331,8 @@ class Trainer:
         return StepResult(step=progress.step + (decision is None), loss=loss, grad_norm=grad_norm, lr=lr,
                           step_time_s=elapsed, tokens_per_s=tokens_per_s, applied=decision is not None,
                           peak_memory=int(peak), flops_per_s=flops_per_s,
-                          mfu=None if device_peak is None else flops_per_s / (device_peak * layout.world_size))
+                          mfu=None if device_peak is None else flops_per_s / (device_peak * layout.world_size),
+                          compiled=compiled_graphs() - graphs)
 
     def apply_pending(self) -> None:
         """Apply the step `train_step` left pending, from the gradients it kept."""

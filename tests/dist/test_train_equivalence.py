@@ -155,13 +155,33 @@ def test_a_batch_that_does_not_split_evenly_among_data_ranks_gives_the_same_loss
     assert reference["losses"] != single["float64"]["test"]["losses"]  # a batch of 6, not the usual 8
 
 
-def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]], compiled: bool = False) -> dict:
     results = {}
     for text, dtype in cases:
         cfg = dataclasses.replace(_config(Layout.parse(text), steps=3), dtype=dtype)
         trainer = Trainer(cfg, rank, "cpu")
         results[(text, dtype)] = [trainer.train_step().loss for _ in range(3)]
+    if compiled:
+        results["compiled"] = {backend: _train_switched(rank, backend) for backend in ("none", "aot_eager")}
     return results
+
+
+COMPILED_LAYOUTS = ("fsdp=2", "tp=2", "pp=2", "fsdp=2")
+
+
+def _train_switched(rank: int, compile: str) -> list[tuple[float, int]]:
+    """float32 under --compile `compile`, a step under each of `COMPILED_LAYOUTS` in turn (switched
+    online): each step's loss and the graphs it compiled."""
+    cfg = TrainConfig(layout=Layout.parse(COMPILED_LAYOUTS[0]), model=model_spec("test"), steps=len(COMPILED_LAYOUTS),
+                      global_batch=8, seed=3, compile=compile)
+    trainer = Trainer(cfg, rank, "cpu")
+    out = []
+    for index, text in enumerate(COMPILED_LAYOUTS):
+        if index:
+            trainer.switch(Layout.parse(text))
+        result = trainer.train_step()
+        out.append((result.loss, result.compiled))
+    return out
 
 
 # float32 sums reordered across 2 ranks differ by ~1e-7 relative per operation; bfloat16 autocast
@@ -169,16 +189,33 @@ def _train_dtypes(rank: int, world_size: int, cases: list[tuple[str, str]]) -> d
 DTYPE_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-def test_float32_and_bfloat16_layouts_track_one_process(single, budget):
+@pytest.fixture(scope="module")
+def two_dtypes() -> list[dict]:
     cases = [(text, dtype) for dtype in DTYPE_RTOL for text in ("fsdp=2", "tp=2", "pp=2")]
-    single = single["dtypes"]
-    per_rank = run_distributed(2, _train_dtypes, cases, timeout_s=budget.left())
+    return run_distributed(2, _train_dtypes, cases, True)
+
+
+def test_float32_and_bfloat16_layouts_track_one_process(single, two_dtypes):
+    cases = [(text, dtype) for dtype in DTYPE_RTOL for text in ("fsdp=2", "tp=2", "pp=2")]
+    single, per_rank = single["dtypes"], two_dtypes
     for text, dtype in cases:
         expected = torch.tensor(single[("dp=1", dtype)])
         got = torch.tensor(per_rank[0][(text, dtype)])
         torch.testing.assert_close(got, expected, rtol=DTYPE_RTOL[dtype], atol=0, msg=f"{text} {dtype}")
     # bfloat16 really computes in bfloat16: its losses are not the float32 ones.
     assert single[("dp=1", "bfloat16")] != single[("dp=1", "float32")]
+
+
+def test_compiled_layers_track_eager_ones_across_switches(two_dtypes):
+    """--compile aot_eager (torch.compile's capture of each layer's forward and backward, through
+    FSDP2, tensor and pipeline parallelism) over fsdp=2 -> tp=2 -> pp=2 -> fsdp=2, switched online:
+    float32 losses within 1e-5 of the same run eager. The layers compile at the start and after the
+    switch to tp=2 (DTensor parameters); the return to fsdp=2 reuses the code compiled for it."""
+    for rank, results in enumerate(two_dtypes):
+        (eager, none), (compiled, graphs) = (zip(*results["compiled"][b]) for b in ("none", "aot_eager"))
+        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0, msg=f"rank {rank}")
+        assert none == (0, 0, 0, 0)
+        assert graphs[0] > 0 and graphs[1] > 0 and graphs[3] == 0, graphs
 
 
 def test_activation_checkpointing_changes_no_loss(four):

@@ -217,6 +217,7 @@ def _corrupt(gz: bytes) -> bytes:
 BAD_INPUT = [  # argv ({name} is a file of `_files`), what the one-line error must say
     (["train", "--data", "{empty}"], "--data {empty}: the file is empty"),
     (["train", "--mixed-precision", "bf16", "--dtype", "float64"], "--mixed-precision bf16 keeps float32 parameters"),
+    (["train", "--compile", "tvm"], "--compile 'tvm': choose a backend of inductor, aot_eager, eager (or none)"),
     (["train", "--data", "{short}"], "--data {short}: the text has 27 bytes"),
     (["train", "--data", "{binary}"], "--data {binary}: not UTF-8 text"),
     (["train", "--data", "{zipped}"], "--data {zipped}: the file is gzip-compressed"),

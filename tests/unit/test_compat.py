@@ -27,7 +27,7 @@ PRIVATE_NAMES = {
     "_swap_data_ptr_", "_functional_collectives", "_get_fsdp_state", "_fsdp_param_groups", "_training_state",
     "_fully_shard", "_fsdp_common", "_clear_sharding_prop_cache", "_redistribute", "_op_dispatcher",
     "_propagate_tensor_meta_cached", "_world", "group_count", "_register_backend", "_set_default_backend",
-    "_StridedShard",
+    "_StridedShard", "_dynamo", "recompile_limit", "lookup_backend",
 }
 
 
@@ -150,6 +150,35 @@ def test_a_process_group_delegates_to_gloo(tmp_path):
     group.allreduce([tensor]).wait()
     assert torch.equal(tensor, torch.ones(3)), why
     assert group._get_backend(torch.device("cpu")) is gloo, why
+
+
+def test_the_recompile_limit_is_raised():
+    import torch._dynamo
+
+    before = torch._dynamo.config.recompile_limit
+    try:
+        compat.raise_recompile_limit(before + 5)
+        assert torch._dynamo.config.recompile_limit == before + 5, _broken(
+            "raise_recompile_limit", "torch._dynamo.config.recompile_limit", "find the setting that bounds recompiles")
+        compat.raise_recompile_limit(1)
+        assert torch._dynamo.config.recompile_limit == before + 5, "a lower limit must leave a higher one"
+    finally:
+        torch._dynamo.config.recompile_limit = before
+
+
+def test_compile_backends_are_found_by_name():
+    backend = compat.compile_backend("aot_eager")
+    assert callable(backend), _broken("compile_backend", "torch._dynamo.lookup_backend", "find the backend registry")
+    graphs = []
+
+    def counted(graph, example_inputs):
+        graphs.append(graph)
+        return backend(graph, example_inputs)
+
+    compiled = torch.compile(lambda x: torch.sin(x) * 2, backend=counted)
+    x = torch.arange(4.0)
+    torch.testing.assert_close(compiled(x), torch.sin(x) * 2)
+    assert len(graphs) == 1, "a backend of one's own is called once per captured graph"
 
 
 def test_fsdp_over_tp_places_chunks_of_chunks():
