@@ -6,7 +6,8 @@ does, and only when the flag is given.
 What a record becomes, at the step it names:
 
 - a step record: the scalars `STEP_SCALARS` (``train/loss``, ``train/lr``, ``train/grad_norm``,
-  ``train/tokens_per_s``, ...; ``train/mfu`` only where the device's peak is known);
+  ``train/tokens_per_s``, ...; ``train/mfu`` only where the device's peak is known, and
+  ``train/compiled_graphs`` only in a step that compiled (``--compile``));
 - an event: the scalars `EVENT_SCALARS` names for its kind (``eval/held_out_loss``,
   ``switch/seconds``, ``membership/world_size``, ...), and, but for ``eval``, a text at
   ``events/KIND`` (``events/switch``, ``events/membership``, ``events/resume``,
@@ -43,7 +44,7 @@ PREFIX = "events.out.tfevents."  # how TensorBoard knows an event file; then a 1
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
                 "tokens_per_s": "train/tokens_per_s", "step_time_s": "train/step_time_s",
                 "peak_memory_bytes": "train/peak_memory_bytes", "model_flops_per_s": "train/model_flops_per_s",
-                "mfu": "train/mfu"}
+                "mfu": "train/mfu", "compiled_graphs": "train/compiled_graphs"}
 # An event's keys, and their tags, by kind.
 EVENT_SCALARS = {
     "eval": {"held_out_loss": "eval/held_out_loss"},

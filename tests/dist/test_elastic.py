@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardshift.train.catalog import checkpoints
@@ -238,11 +239,13 @@ def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_p
     the fixed run's. Then a worker joins after step 5: fsdp=3 again, with a fresh worker at another
     coordinate, saving after every step. (DTensor caches sharding decisions by mesh value; a stale
     one gave a world shaped like an earlier one that world's coordinates, and DCP refused the
-    save.) The last checkpoint equals the fixed run's."""
+    save.) The last checkpoint equals the fixed run's. The workers' layers are compiled
+    (``--compile aot_eager``), and compiled again in each world; TensorBoard's reader reads the three
+    changes of world from the files the worlds' rank 0 wrote."""
     run = _train(tmp_path, "--elastic", "--nproc", "4", "--max-nproc", "4", *SHARDED, "--inject", "3:leave=3",
                  "--inject", "2:term=1", "--inject", "5:join=1", "--save", str(tmp_path / "elastic"), "--save-every",
                  "1", "--metrics", str(tmp_path / "elastic.jsonl"), "--log-dir", str(tmp_path / "logs"),
-                 timeout=budget.left())
+                 "--compile", "aot_eager", "--tensorboard", str(tmp_path / "tb"), timeout=budget.left())
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     events = [r for r in metrics(tmp_path / "elastic.jsonl") if r.get("event") == "membership"]
     assert [(e["step"], e["kind"], e["from_world"], e["to_world"]) for e in events] == [
@@ -255,6 +258,13 @@ def test_a_leave_noticed_while_the_state_moves_waits_for_the_next_boundary(tmp_p
     elastic, reference = _final_state(tmp_path / "elastic"), _final_state(fixed / "ckpt")
     for key in (k for k in reference if k.startswith(("param:", "exp_avg"))):
         torch.testing.assert_close(elastic[key], reference[key], rtol=RTOL, atol=1e-12, msg=key)
+    compiled = {r["step"]: r.get("compiled_graphs", 0) for r in metrics(tmp_path / "elastic.jsonl") if "loss" in r}
+    assert compiled[1] > 0, compiled
+    board = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("membership/world_size")] == [(3, 3), (4, 2), (5, 3)]
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(got.items())]
     assert _all_gone(str(tmp_path))
 
 
