@@ -3,10 +3,15 @@ the same processes.
 
     shardshift bench train --nproc 4 --layout dp=4 --also 'fsdp=4;tp=4'
     shardshift bench train --nproc 4 --layout dp=4 --also fsdp=4 --topology hetero4x.yaml --emulate
+    shardshift bench train --nproc 2 --layout fsdp=2 --also 'fsdp=2 --activation-checkpointing full;fsdp=2 --compile'
 
-Every variant trains the same model on the same batches with the same optimizer. The variants take
+Every variant trains the same model on the same batches with the same optimizer. A variant is a
+layout, and may set the trainer's own knobs beside it (`Variant`: activation checkpointing,
+compile, mixed precision, micro-batch size), as `shardshift train`'s flags. The variants take
 turns: after a warm-up, each round runs `steps` steps of every variant in order, so slow drifts of a
-noisy machine hit them all alike. Tokens/s are computed from the summed time of each variant.
+noisy machine hit them all alike. Tokens/s are computed from the summed time of each variant. After
+the rounds, one more step of each gives its working memory (`train.memory.working_bytes`: what the
+step takes beyond the state, on the rank that takes most).
 
 With `topology`, every layout is trained twice, its data-parallel collectives on gloo and on packed
 trees (`--collectives trees`), and `emulate` runs the ranks on that network, emulated
@@ -32,8 +37,50 @@ from shardshift.layout import Layout
 from shardshift.plots.canvas import check_drawable
 from shardshift.runtime import run_in_group
 from shardshift.train.config import TrainConfig
+from shardshift.train.memory import working_bytes
 from shardshift.train.optim import build_optimizer
 from shardshift.train.trainer import Trainer
+from shardshift.units import format_size
+
+# The `shardshift train` flags a variant may give after its layout, and the `TrainConfig` field each sets.
+VARIANT_FLAGS = {"--activation-checkpointing": "activation_checkpointing", "--compile": "compile",
+                 "--mixed-precision": "mixed_precision", "--micro-batch-size": "micro_batch_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A row of the bench: a layout, and the trainer's settings beside it (``fsdp=2 --compile``)."""
+
+    layout: Layout
+    settings: tuple[tuple[str, object], ...] = ()  # (TrainConfig field, value), in the order given
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``LAYOUT [FLAG VALUE]...`` with a flag of `VARIANT_FLAGS` (``--compile`` alone: inductor);
+        ValueError naming what to write otherwise."""
+        words = text.split()
+        layout, rest, settings = Layout.parse(words[0]), words[1:], []
+        while rest:
+            flag = rest.pop(0)
+            if flag not in VARIANT_FLAGS:
+                raise ValueError(f"--also {text.strip()!r}: {flag!r} is not a flag a row takes; after its layout "
+                                 f"give any of {', '.join(VARIANT_FLAGS)} with its value")
+            if flag == "--compile" and (not rest or rest[0].startswith("--")):
+                value: object = "inductor"
+            elif not rest:
+                raise ValueError(f"--also {text.strip()!r}: {flag} needs a value")
+            else:
+                value = rest.pop(0)
+            if flag == "--micro-batch-size":
+                if not str(value).isdigit():
+                    raise ValueError(f"--also {text.strip()!r}: --micro-batch-size {value} is not a whole number")
+                value = int(value)
+            settings.append((VARIANT_FLAGS[flag], value))
+        return cls(layout, tuple(settings))
+
+    def __str__(self) -> str:
+        flags = {field: flag for flag, field in VARIANT_FLAGS.items()}
+        return " ".join([str(self.layout), *(f"{flags[field]} {value}" for field, value in self.settings)])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,7 +88,7 @@ class TrainBenchOptions:
     """What `shardshift bench train` runs; validated when built (ValueError says what to change)."""
 
     base: TrainConfig  # model, dtype, batch, seed; its layout is the one compared with DDP
-    also: tuple[Layout, ...] = ()  # more layouts reported beside it
+    also: tuple[Variant, ...] = ()  # more variants reported beside it
     nproc: int = 4
     steps: int = 3  # timed steps per variant per round
     rounds: int = 3
@@ -66,10 +113,10 @@ class TrainBenchOptions:
                              f"{self.warmup + self.steps * self.rounds} steps per variant")
         if self.emulate and self.topology is None:
             raise ValueError("--emulate needs --topology FILE: the network to emulate")
-        for layout in self.layouts:
-            layout.check_world(self.nproc)
+        for variant in self.variants:
+            variant.layout.check_world(self.nproc)
             for collectives in self.collectives:
-                self.config(layout, collectives)  # refuses a layout the model, batch or topology cannot take
+                self.config(variant, collectives)  # refuses what the model, batch or topology cannot take
         if self.plot is not None:
             check_drawable(self.plot, "--plot")
 
@@ -77,14 +124,14 @@ class TrainBenchOptions:
     def collectives(self) -> tuple[str, ...]:
         return ("gloo", "trees") if self.topology is not None else ("gloo",)
 
-    def config(self, layout: Layout, collectives: str) -> TrainConfig:
+    def config(self, variant: Variant, collectives: str) -> TrainConfig:
         trees = collectives == "trees"
-        return dataclasses.replace(self.base.with_layout(layout), collectives=collectives,
-                                   topology=self.topology if trees else None)
+        return dataclasses.replace(self.base.with_layout(variant.layout), collectives=collectives,
+                                   topology=self.topology if trees else None, **dict(variant.settings))
 
     @property
-    def layouts(self) -> tuple[Layout, ...]:
-        return (self.base.layout, *self.also)
+    def variants(self) -> tuple[Variant, ...]:
+        return (Variant(self.base.layout), *self.also)
 
 
 class PlainDDP:
@@ -120,22 +167,24 @@ class PlainDDP:
 class Throughput:
     """One variant's timed steps, summed over the rounds (what `run_bench` measures)."""
 
-    name: tuple[str, str]  # ("ddp" or a layout, "gloo" or "trees")
+    name: tuple[str, str]  # ("ddp" or a variant, "gloo" or "trees")
     steps: int
     seconds: float
     tokens_per_s: float
+    working_bytes: int = 0  # what one step takes beyond the state, on the rank that takes most
 
 
 @dataclasses.dataclass(frozen=True)
 class ThroughputRow:
     """One variant in the report, beside DDP and beside the same layout on gloo (a row of ``rows``)."""
 
-    impl: str  # "ddp" or a layout
+    impl: str  # "ddp" or a variant (`Variant`: a layout and the trainer's settings beside it)
     layout: str  # the same, under the name the report's table gives it
     collectives: str  # "gloo" (the process group's own: NCCL's on CUDA) or "trees"
     tokens_per_s: float
     seconds: float
     steps: int
+    working_bytes: int  # what one step takes beyond the state (`train.memory.working_bytes`)
     ratio_vs_ddp: float  # tokens/s ÷ DDP's
     ratio_vs_gloo: float  # tokens/s ÷ the same layout's on gloo
 
@@ -194,10 +243,10 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     stream = BatchStream(corpus.train, base.model.seq_len, base.global_batch, base.seed)
     variants["ddp", "gloo"] = PlainDDP(base, rank, device, stream)
-    for layout in opts.layouts:
+    for variant in opts.variants:
         for collectives in opts.collectives:
-            variants[str(layout), collectives] = Trainer(opts.config(layout, collectives), rank, device_type,
-                                                         corpus=corpus, timeout_s=opts.timeout_s)
+            variants[str(variant), collectives] = Trainer(opts.config(variant, collectives), rank, device_type,
+                                                          corpus=corpus, timeout_s=opts.timeout_s)
     seconds = dict.fromkeys(variants, 0.0)
     for name, variant in variants.items():
         for _ in range(warmup):
@@ -212,9 +261,15 @@ def run_bench(opts: TrainBenchOptions, rank: int, device_type: str) -> list[Thro
                 torch.cuda.synchronize(device)  # the steps' kernels done, not only queued
             dist.barrier()
             seconds[name] += time.perf_counter() - start
+    working = {}
+    for name, variant in variants.items():
+        dist.barrier()
+        held = torch.tensor([working_bytes(variant.train_step, device)], dtype=torch.int64, device=device)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        working[name] = int(held)
     total = steps * rounds
     return [
-        Throughput(name, total, seconds[name], total * base.tokens_per_step / seconds[name])
+        Throughput(name, total, seconds[name], total * base.tokens_per_step / seconds[name], working[name])
         for name in variants
     ]
 
@@ -225,7 +280,8 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
     gloo = {r.name[0]: r.tokens_per_s for r in results if r.name[1] == "gloo"}
     rows = tuple(
         ThroughputRow(impl=r.name[0], layout=r.name[0], collectives=r.name[1], tokens_per_s=r.tokens_per_s,
-                      seconds=r.seconds, steps=r.steps, ratio_vs_ddp=r.tokens_per_s / ddp.tokens_per_s,
+                      seconds=r.seconds, steps=r.steps, working_bytes=r.working_bytes,
+                      ratio_vs_ddp=r.tokens_per_s / ddp.tokens_per_s,
                       ratio_vs_gloo=r.tokens_per_s / gloo[r.name[0]])
         for r in results
     )
@@ -242,8 +298,10 @@ def report(opts: TrainBenchOptions, results: list[Throughput], device_type: str)
                                        else " (loopback)") if opts.topology else ""
     print(f"model {base.model.name}, {opts.nproc} {device_type} ranks{where}, global batch {base.global_batch}, "
           f"{ddp.steps} timed steps per variant")
-    print(f"{'layout':<16}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs ' + own:>9}")
+    width = max(16, *(len(row.layout) + 2 for row in rows))
+    print(f"{'layout':<{width}}{'collectives':<13}{'tokens/s':>12}{'vs DDP':>9}{'vs ' + own:>9}{'working mem':>13}")
     for row in rows:
         shown = own if row.collectives == "gloo" else row.collectives
-        print(f"{row.layout:<16}{shown:<13}{row.tokens_per_s:>12,.0f}{row.ratio_vs_ddp:>9.3f}{row.ratio_vs_gloo:>9.3f}")
+        print(f"{row.layout:<{width}}{shown:<13}{row.tokens_per_s:>12,.0f}{row.ratio_vs_ddp:>9.3f}"
+              f"{row.ratio_vs_gloo:>9.3f}{format_size(row.working_bytes):>13}")
     return result

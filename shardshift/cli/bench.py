@@ -109,7 +109,9 @@ def _add_train(benches) -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--layout", default="dp=4", help="the layout compared with DDP")
     p.add_argument("--also", default="fsdp=4;tp=4;pp=4;fsdp=2,tp=2",
-                   help="more layouts reported beside it, separated by ';' (empty for none)")
+                   help="more variants reported beside it, separated by ';' (empty for none): a layout, and "
+                        "optionally train's --activation-checkpointing, --compile, --mixed-precision or "
+                        "--micro-batch-size after it ('fsdp=2 --compile;fsdp=2 --activation-checkpointing full')")
     p.add_argument("--model", default="tiny", help=model_help("tiny"))
     p.add_argument("--dtype", default="float32")
     p.add_argument("--global-batch", type=int, default=16)
@@ -129,7 +131,7 @@ def _add_train(benches) -> None:
 
 
 def _train_options(args: argparse.Namespace):
-    from shardshift.bench.train import TrainBenchOptions
+    from shardshift.bench.train import TrainBenchOptions, Variant
     from shardshift.models import model_spec
     from shardshift.train.config import TrainConfig
 
@@ -145,7 +147,8 @@ def _train_options(args: argparse.Namespace):
 
         scale = (auto_scale(load_topology(args.topology)) if args.emulate_scale == "auto"
                  else _positive(args.emulate_scale, "--emulate-scale"))
-    return TrainBenchOptions(base=base, also=_layouts(args.also), nproc=args.nproc, steps=args.steps,
+    also = tuple(Variant.parse(part) for part in args.also.split(";") if part.strip())
+    return TrainBenchOptions(base=base, also=also, nproc=args.nproc, steps=args.steps,
                              rounds=args.rounds, warmup=args.warmup, timeout_s=args.timeout, json=args.json,
                              topology=args.topology, emulate=args.emulate, emulate_scale=scale, plot=args.plot)
 

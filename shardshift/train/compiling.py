@@ -3,10 +3,9 @@
 Per layer (every module of the model's `PipelineSplit.layers`), as torchtitan does: the layers are
 where the time goes and alike, so one compiled graph serves all of a model's layers, and what sits
 between them (FSDP2's gathers, the pipeline's sends, DDP's hooks, the loss) stays eager. The
-layer's ``forward`` is replaced on the instance, as activation checkpointing does
-(`train.checkpointing`), and after it: the compiled function takes in the checkpointed one, so the
-recomputation is compiled too and a selective policy sees the operations it names. Parameter names
-do not change and FSDP2's hooks, registered on the layer's call, run outside the compiled code.
+layer's ``forward`` is replaced on the instance, together with activation checkpointing
+(`train.checkpointing.wrap_layers`, which says in which order). Parameter names do not change and
+FSDP2's hooks, registered on the layer's call, run outside the compiled code.
 
 **Recompiled or reused.** The compiled code is cached per function (a layer's ``forward``) and
 guarded by what it was traced with: the shapes, dtypes and kinds of its inputs and parameters
@@ -26,12 +25,10 @@ contract).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from shardshift.compat import compile_backend, raise_recompile_limit
 from shardshift.train.config import COMPILE_BACKENDS
 
-_MARK = "_shardshift_compiled"
 # Layouts a process has run, each compiling a layer anew where shapes or placements differ: more than
 # torch's default of 8 cached versions of one function, after which it would run eager.
 RECOMPILE_LIMIT = 64
@@ -54,19 +51,15 @@ _BACKENDS: dict[str, _Counted] = {}
 
 
 def compiled_graphs() -> int:
-    """The graphs `apply_compile`'s layers have compiled in this process so far."""
+    """The graphs `compile_function`'s functions have compiled in this process so far."""
     return sum(backend.graphs for backend in _BACKENDS.values())
 
 
-def apply_compile(model: nn.Module, layers: str, backend: str = "inductor") -> None:
-    """Compile the ``forward`` of every layer in `model`'s container `layers` with `backend` (one of
-    `COMPILE_BACKENDS`), unless it is already; the layers compile when first called."""
+def compile_function(forward, backend: str):
+    """`forward` (a layer's) compiled with `backend`, one of `COMPILE_BACKENDS`; it compiles when
+    first called, or takes code this process compiled for the same guards."""
     assert backend in COMPILE_BACKENDS, backend
     raise_recompile_limit(RECOMPILE_LIMIT)
     if backend not in _BACKENDS:
         _BACKENDS[backend] = _Counted(backend)
-    counted = _BACKENDS[backend]
-    for layer in model.get_submodule(layers).children():
-        if not getattr(layer, _MARK, False):
-            layer.forward = torch.compile(layer.forward, backend=counted)
-            setattr(layer, _MARK, True)
+    return torch.compile(forward, backend=_BACKENDS[backend])

@@ -24,8 +24,8 @@ from shardshift.data.stream import BatchStream, data_slice, loss_weight
 from shardshift.layout import Layout
 from shardshift.reshard.plan import Assignment
 from shardshift.reshard.schedule import DEFAULT_BUDGET
-from shardshift.train.checkpointing import apply_activation_checkpointing
-from shardshift.train.compiling import apply_compile, compiled_graphs
+from shardshift.train.checkpointing import wrap_layers
+from shardshift.train.compiling import compiled_graphs
 from shardshift.train.config import TrainConfig
 from shardshift.train.memory import device_peak_flops, peak_bytes, reset_peak
 from shardshift.train.optim import clip_grad_norm
@@ -170,10 +170,7 @@ class Trainer:
     def _runtime(self, sync: bool) -> tuple[nn.Module, Schedule1F1B | None]:
         """What runs steps on the state: the module (a DDP wrapper under pure replication; `sync`
         broadcasts its parameters from rank 0 first) and, under pp, the pipeline."""
-        layers = self.cfg.model.pipeline.layers
-        apply_activation_checkpointing(self.model, layers, self.cfg.activation_checkpointing)
-        if self.cfg.compile != "none":
-            apply_compile(self.model, layers, self.cfg.compile)
+        wrap_layers(self.model, self.cfg.model.pipeline.layers, self.cfg.activation_checkpointing, self.cfg.compile)
         module = wrap_for_training(self.model, self.par, sync=sync)
         if self.cfg.layout.pp == 1:
             return module, None

@@ -35,7 +35,8 @@ SMOKE: dict[str, list[str] | str] = {
     "shardshift join --coordinator 10.0.0.1:29400 --nproc 4 --save /shared/ckpt":
         "netns/test_elastic_join.py::test_a_host_lost_with_all_its_workers_is_survived_from_copies_kept_on_the_other",
     "shardshift bench train --nproc 4 --layout dp=4": [*TINY, "--steps", "1", "--rounds", "1", "--warmup", "1",
-                                                     "--also", "fsdp=2,tp=2", "--json"],
+                                                     "--also", "fsdp=2,tp=2;fsdp=2,tp=2 --activation-checkpointing full "
+                                                     "--compile aot_eager", "--json"],
     "shardshift bench switch --nproc 4 --suite": "dist/test_bench_switch.py::test_small_chain_reports_every_column",
     "shardshift bench elastic --nproc 4 --suite": "dist/test_bench_elastic.py::test_the_suite_reports_every_event_beside_its_restart",
     "shardshift bench packing": "unit/test_packing.py::test_bench_packing_runs_small",
@@ -138,8 +139,9 @@ def test_train_commands_run(command, tmp_path, budget):
 
 def test_bench_train_reports_every_variant_beside_ddp(tmp_path, budget):
     out = json.loads(_run("shardshift bench train --nproc 4 --layout dp=4", tmp_path, budget).stdout)
-    assert [r["impl"] for r in out["rows"]] == ["ddp", "dp=4", "fsdp=2,tp=2"]
-    assert all(r["tokens_per_s"] > 0 and r["steps"] == 1 for r in out["rows"])
+    assert [r["impl"] for r in out["rows"]] == ["ddp", "dp=4", "fsdp=2,tp=2",
+                                                 "fsdp=2,tp=2 --activation-checkpointing full --compile aot_eager"]
+    assert all(r["tokens_per_s"] > 0 and r["steps"] == 1 and r["working_bytes"] > 0 for r in out["rows"])
     assert out["rows"][0]["ratio_vs_ddp"] == 1.0
 
 

@@ -70,16 +70,19 @@ def _one_process(rank: int, world_size: int) -> dict:
 UNEVEN_4 = ["dp=4", "fsdp=4", "dp=2,fsdp=2", "dp=2,tp=2"]
 
 
-CHECKPOINTED = [(layout, mode) for layout in ("fsdp=4", "tp=4", "pp=4") for mode in ("full", "selective")]
+# (layout, --activation-checkpointing, --compile)
+CHECKPOINTED = [*((layout, mode, "none") for layout in ("fsdp=4", "tp=4", "pp=4") for mode in ("full", "selective")),
+                ("tp=4", "full", "aot_eager"), ("tp=4", "selective", "aot_eager")]
 
 
-def _train_checkpointed(rank: int, cases: list[tuple[str, str]]) -> dict:
-    """`llama-test` with activation checkpointing: its losses per (layout, mode)."""
+def _train_checkpointed(rank: int, cases: list[tuple[str, str, str]]) -> dict:
+    """`llama-test` with activation checkpointing: its losses per (layout, mode, compile)."""
     out = {}
-    for text, mode in cases:
-        cfg = dataclasses.replace(_config(Layout.parse(text), model="llama-test"), activation_checkpointing=mode)
+    for text, mode, compile in cases:
+        cfg = dataclasses.replace(_config(Layout.parse(text), model="llama-test"), activation_checkpointing=mode,
+                                  compile=compile)
         trainer = Trainer(cfg, rank, "cpu")
-        out[text, mode] = [trainer.train_step().loss for _ in range(STEPS)]
+        out[text, mode, compile] = [trainer.train_step().loss for _ in range(STEPS)]
     return out
 
 
@@ -219,12 +222,13 @@ def test_compiled_layers_track_eager_ones_across_switches(two_dtypes):
 
 
 def test_activation_checkpointing_changes_no_loss(four):
-    """Full and selective activation checkpointing under fsdp, tp and pp: the same losses as without
-    it, to 1e-12 (the same operations on the same values, some done again in the backward)."""
+    """Full and selective activation checkpointing under fsdp, tp and pp, and under tp with its
+    layers compiled (aot_eager: the same kernels): the same losses as without it, to 1e-12 (the same
+    operations on the same values, some done again in the backward)."""
     for rank, results in enumerate(four):
-        for (text, mode), losses in results["checkpointed"].items():
+        for (text, mode, compile), losses in results["checkpointed"].items():
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(results["layouts"]["llama-test"][text]["losses"]),
-                                       rtol=1e-12, atol=0, msg=f"{text} {mode} rank {rank}")
+                                       rtol=1e-12, atol=0, msg=f"{text} {mode} {compile} rank {rank}")
 
 
 def _mixed_precision(rank: int, world_size: int, root: str) -> dict:

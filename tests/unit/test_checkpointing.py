@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardshift.models import model_spec
-from shardshift.train.checkpointing import apply_activation_checkpointing
+from shardshift.train.checkpointing import wrap_layers
 
 SPEC = model_spec("llama-test")
 
@@ -21,7 +21,7 @@ def _model(mode: str):
         for name, param in model.named_parameters():
             param.copy_(SPEC.init_value(name, param.shape, param.dtype, seed=1))
     SPEC.init_buffers(model)
-    apply_activation_checkpointing(model, SPEC.pipeline.layers, mode)
+    wrap_layers(model, SPEC.pipeline.layers, mode)
     return model
 
 
@@ -58,7 +58,7 @@ def test_checkpointing_twice_checkpoints_once_and_none_changes_nothing():
     model = _model("full")
     layer = next(model.get_submodule(SPEC.pipeline.layers).children())
     wrapped = layer.forward
-    apply_activation_checkpointing(model, SPEC.pipeline.layers, "full")
+    wrap_layers(model, SPEC.pipeline.layers, "full")
     assert layer.forward is wrapped
     plain = _model("none")
     assert "forward" not in vars(next(plain.get_submodule(SPEC.pipeline.layers).children()))
