@@ -11,16 +11,33 @@ The executor knows the state only through two small interfaces, so it serves any
 Every process walks the same rounds (see `schedule.py` for why this cannot deadlock), posting each
 round's messages through the `Transport` of whatever group it is given (`shardshift.comm`: the
 job's world, a group spanning an old and a new world, or the tests' in-process group), every wait
-bounded by one deadline. Within a round, local copies run while messages are in flight. Large
-segments are sent from, and received into, the state tensors themselves wherever their slice is
-contiguous: no packing copy. A transfer that fails or times out raises `TransferError` naming the
+bounded by one deadline. A transfer that fails or times out raises `TransferError` naming the
 round and the peer.
 
-A round, as one process runs it: allocate the new pieces it starts; post every receive; pack and
-post the sends one by one (the first travel while the next are packed); make the local copies
-while the messages are in flight; take the receives in order, unpacking each as soon as it is in
-(while the later ones still travel); wait for the sends; free the old pieces it ends. The seconds
-of each phase (`PHASES`) come back in `ExecStats.phases`: the switch's own profile.
+**Coalesced rounds.** The work of a round does not grow in calls with its pieces. Large segments
+are sent from, and received into, the state tensors themselves wherever their slice is contiguous:
+no copy, a message each. Every other byte is *staged*: it passes through a buffer in the `Arena`,
+and all the copies into one peer's buffers are one ``torch._foreach_copy_`` over the views of its
+pieces, as are all the copies out of one peer's buffers once its last staged message is in, and all
+the round's local copies. A round, as one process runs it: allocate the new pieces it starts;
+post every receive; for each peer in turn, pack its staged sends in one call and post its sends
+(the first peer's travel while the next is packed); make the local copies while the messages are
+in flight; take the receives in order and unpack each peer's in one call as soon as they are in;
+wait for the sends; free the old pieces it ends. The seconds of each phase (`PHASES`) come back in
+`ExecStats.phases`, and the calls that do work (`ExecStats.host_calls`: copies, staging
+allocations, posts and waits, hand-overs) are counted; `host_calls` predicts them from the
+compiled program, and `calls_per_rank` from a schedule of any size.
+
+**The arena.** Staging buffers are cut from one block of memory per device, kept by the process
+from round to round and from switch to switch (`arena`), so a round touches no fresh memory for
+its buffers. The block grows to the largest round's staging and no further (`release_arena` hands
+it back). The account below books each round's staged bytes as the round's buffers; the block's
+bytes beyond the current round's use are held but not booked (`ExecStats.arena_bytes`).
+
+**CUDA.** The copies run on a side stream of the device: the transport's batch (one
+``batch_isend_irecv`` per round, `comm.p2p`) is posted after the stream that packed has been
+waited for, and unpacking waits for the batch; the round ends with the device's stream waiting for
+the side stream, before any old piece is freed.
 
 Where a process keeps a whole piece unchanged (its new box of a tensor is its old box), the old
 piece's memory becomes the new piece's: the two storages swap their bytes (`_hand_over`), no byte
@@ -32,26 +49,29 @@ every piece of a source that keeps its state whole (``keep``: a change of world 
 back to the old state).
 
 `compile_program` turns the schedule into what one process does, round by round, with every slice
-and offset worked out; it is pure and runs when the switch is prepared, so that the switch itself
-only copies and communicates. `run_program` runs it, keeping an account of the bytes of state and
-buffers the process holds as it goes, and reports its peak: the figure that the budget bounds (on
-CUDA the caching allocator's own peak is reported alongside).
+and offset worked out and every message's staging decided; it is pure and runs when the switch is
+prepared, so that the switch itself only copies and communicates. `run_program` runs it, keeping
+an account of the bytes of state and buffers the process holds as it goes, and reports its peak:
+the figure that the budget bounds (on CUDA the caching allocator's own peak is reported alongside).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
 from shardshift.compat import can_swap_storages, swap_storages
 from shardshift.reshard.plan import Segment, TransitionPlan
-from shardshift.reshard.schedule import Message, SwitchSchedule
+from shardshift.reshard.schedule import Message, SwitchSchedule, align
 
 
 class Source(Protocol):
@@ -91,6 +111,7 @@ class MessageEnd:
     nbytes: int
     direct: bool  # one segment, sent from / received into the state tensor where it is contiguous
     parts: tuple[Part, ...]
+    staged: bool = True  # passes through an arena buffer: packed, or a direct slice not contiguous here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +125,27 @@ class Copy:
 
 @dataclasses.dataclass(frozen=True)
 class RoundWork:
-    """One round, as one process runs it."""
+    """One round, as one process runs it. A peer's messages are consecutive in `sends` and in
+    `recvs`, its direct ones first (`schedule.SwitchSchedule.messages`)."""
 
     opens: tuple[tuple[int, int, tuple[int, ...]], ...]  # (tensor, bytes, shape): new pieces, first
     sends: tuple[MessageEnd, ...]
     recvs: tuple[MessageEnd, ...]
     copies: tuple[Copy, ...]
     closes: tuple[tuple[int, int], ...]  # (tensor, bytes): old pieces freed last
+
+    @property
+    def staging(self) -> int:
+        """Arena bytes the round's staged messages take (each starts aligned)."""
+        return sum(m.nbytes for m in (*self.sends, *self.recvs) if m.staged)  # a direct one's: its part, aligned
+
+    @property
+    def host_calls(self) -> int:
+        """The calls that do work (`calls_per_rank`), where every piece is contiguous, owns its
+        storage and is handed over where whole."""
+        return (2 * (len(self.sends) + len(self.recvs)) + len({m.peer for m in self.sends if m.staged})
+                + len({m.peer for m in self.recvs if m.staged}) + sum(c.whole for c in self.copies)
+                + any(not c.whole for c in self.copies))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +158,17 @@ class SwitchProgram:
     idle_closes: tuple[int, ...]  # old pieces no segment reads: freed at the end
     old_bytes: int
     new_bytes: int
+
+    @property
+    def pieces(self) -> int:
+        """Segment ends this process handles: parts it packs or unpacks or sends or receives alone,
+        and local copies."""
+        return sum(len(m.parts) for step in self.rounds for m in (*step.sends, *step.recvs)) + sum(
+            len(step.copies) for step in self.rounds)
+
+    @property
+    def host_calls(self) -> int:
+        return sum(step.host_calls for step in self.rounds)
 
 
 def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
@@ -166,7 +212,76 @@ def _transfer(plan: TransitionPlan, message: Message, peer: int, box_of, sending
         tensor = plan.tensors[seg.tensor]
         parts.append(Part(seg.tensor, seg.box.relative_to(box_of(seg)), seg.copy_of if sending else None, offset,
                           plan.segment_bytes(seg), tensor.dtype, seg.box.sizes))
-    return MessageEnd(peer, message.nbytes, message.direct, tuple(parts))
+    staged = not message.direct or not message.segments[0].box.contiguous_in(box_of(message.segments[0]))
+    return MessageEnd(peer, message.nbytes, message.direct, tuple(parts), staged)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCounts:
+    """Per process of a schedule (int64[process]): segment ends it handles, and the calls that do
+    work in a switch (copies, staging allocations, posts and waits, hand-overs) for an executor
+    that copies piece by piece (`before`) and for this one (`after`). Neither counts the views of
+    pieces (metadata), nor allocating and freeing the pieces themselves (one call per tensor)."""
+
+    pieces: np.ndarray
+    before: np.ndarray
+    after: np.ndarray
+
+
+def calls_per_rank(schedule: SwitchSchedule) -> CallCounts:
+    """`CallCounts` of every process of `schedule`, from its flow pieces (no segment is spelt out,
+    so it runs for thousands of processes): every message end is a post and a wait; piece by
+    piece, every staged message end is an allocation and every staged part or local copy a call;
+    coalesced, every peer with staged messages one call at each end, a round's local copies one
+    call, and every whole piece kept one hand-over. As `SwitchProgram.host_calls`, it takes every
+    piece as contiguous, owning its storage."""
+    plan, n = schedule.plan, schedule.plan.world_size
+    pieces, before, after = (np.zeros(n, dtype=np.int64) for _ in range(3))
+
+    def ends(pairs: np.ndarray, weight: int | np.ndarray = 1) -> None:
+        """Book `weight` calls at both ends of each (src * n + dst) pair."""
+        for counts in (before, after):
+            np.add.at(counts, pairs // n, weight)
+            np.add.at(counts, pairs % n, weight)
+
+    for round_pieces in schedule.pieces:
+        packed, staged_out, staged_in, copying = [], [], [], []
+        for piece in round_pieces:
+            flow, itemsize = piece.flow, plan.tensors[piece.tensor].itemsize
+            old_box = plan.old_classes[piece.tensor].boxes[flow.a]
+            new_box = plan.new_classes[piece.tensor].boxes[flow.b]
+            local = flow.src == flow.dst
+            whole = piece.box == old_box == new_box
+            kept = flow.dst[local & (flow.copy_of < 0)] if whole else flow.dst[:0]
+            np.add.at(pieces, flow.dst[local], 1)
+            np.add.at(before, flow.dst[local], 1)
+            np.add.at(after, kept, 1)  # hand-overs
+            copying.append(np.setdiff1d(flow.dst[local], kept))
+            src, dst = flow.src[~local], flow.dst[~local]
+            np.add.at(pieces, src, 1)
+            np.add.at(pieces, dst, 1)
+            pairs = src * n + dst
+            if piece.box.numel * itemsize < schedule.direct_bytes:
+                packed.append(pairs)
+                np.add.at(before, src, 1)  # the part's copy, each end
+                np.add.at(before, dst, 1)
+                continue
+            ends(pairs, 2)  # a message of its own: posted and waited for
+            for end, contiguous, staged in ((src, piece.box.contiguous_in(old_box), staged_out),
+                                            (dst, piece.box.contiguous_in(new_box), staged_in)):
+                if not contiguous:
+                    np.add.at(before, end, 2)  # a buffer and a copy into or out of it
+                    staged.append(pairs)
+        packed_pairs = np.unique(np.concatenate(packed)) if packed else np.zeros(0, dtype=np.int64)
+        ends(packed_pairs, 2)
+        np.add.at(before, packed_pairs // n, 1)  # the buffer, each end
+        np.add.at(before, packed_pairs % n, 1)
+        for pairs, at in ((staged_out, lambda p: p // n), (staged_in, lambda p: p % n)):
+            peers = np.unique(np.concatenate([packed_pairs, *pairs]))
+            np.add.at(after, at(peers), 1)  # one pack (or unpack) per peer
+        if copying:
+            np.add.at(after, np.unique(np.concatenate(copying)), 1)
+    return CallCounts(pieces, before, after)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +298,9 @@ class ExecStats:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each of `PHASES`
     cpu_seconds: float = 0.0  # processor time of this process while it ran, its threads' (gloo's transfers) included
     page_faults: int = 0  # pages the kernel had to map for this process while it ran (fresh memory, first touched)
+    pieces: int = 0  # segment ends handled (`SwitchProgram.pieces`)
+    host_calls: int = 0  # calls that did work: copies, staging allocations, posts and waits, hand-overs
+    arena_bytes: int = 0  # what the device's arena holds after the switch (held beyond the account)
 
 
 class _Account:
@@ -197,57 +315,171 @@ class _Account:
         self.live -= nbytes
 
 
+class Arena:
+    """One block of device memory that staging buffers are cut from (module docstring): `take`
+    hands out aligned slices in turn, `reset` (at a round's end) takes them all back. A round that
+    needs more than the block gets buffers of its own beyond it, and the block grows to that
+    round's need when it is reset."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.block = torch.empty(0, dtype=torch.uint8, device=device)
+        self.used = 0
+        self.spilled = 0  # bytes of buffers given beyond the block this round
+        self.allocations = 0  # blocks and buffers allocated, ever
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow the block to at least `nbytes` (nothing may be taken from it)."""
+        assert not self.used and not self.spilled, "the arena is resized only between rounds"
+        if nbytes > self.nbytes:
+            self.block = torch.empty(0, dtype=torch.uint8, device=self.device)  # the old block goes first
+            self.block = torch.empty(align(nbytes), dtype=torch.uint8, device=self.device)
+            self.allocations += 1
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of memory (uint8), valid until `reset`."""
+        end = self.used + nbytes
+        if self.spilled or end > self.nbytes:
+            self.spilled += align(nbytes)
+            self.allocations += 1
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.used = align(end)
+        return self.block[end - nbytes : end]
+
+    def reset(self) -> None:
+        need = self.used + self.spilled
+        self.used = self.spilled = 0
+        self.reserve(need)
+
+    def release(self) -> None:
+        """Hand the block back (to the allocator), whatever was taken from it: a transfer that
+        failed may still hold its buffers (they live as long as it does)."""
+        self.used = self.spilled = 0
+        self.block = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+_ARENAS = threading.local()  # .by_device: {device: Arena}; a thread of its own runs each rank of the tests
+
+
+def arena(device: torch.device) -> Arena:
+    """This thread's arena on `device` (a process runs its switches in one thread: the process's)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not hasattr(_ARENAS, "by_device"):
+        _ARENAS.by_device = {}
+    return _ARENAS.by_device.setdefault(device, Arena(device))
+
+
+def release_arena() -> None:
+    """Hand this thread's arenas back."""
+    for each in getattr(_ARENAS, "by_device", {}).values():
+        each.release()
+
+
+class _Streams:
+    """Where the executor's copies run: on CUDA a side stream, ordered against the device's
+    current stream (which the transport's batch and the allocator follow); on the CPU inline."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.main = torch.cuda.current_stream(device) if cuda else None
+        self.side = torch.cuda.Stream(device) if cuda else None
+
+    def copies(self):
+        """Run the copies issued in this context on the side stream."""
+        return contextlib.nullcontext() if self.side is None else torch.cuda.stream(self.side)
+
+    def side_waits(self) -> None:
+        """Copies issued from now on see everything the current stream did (new pieces, receives)."""
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+
+    def main_waits(self) -> None:
+        """Sends posted and pieces freed from now on come after the copies issued so far."""
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
 @torch.no_grad()
 def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: Transport, deadline: Deadline,
                 device: torch.device) -> ExecStats:
     """Run this process's part of a switch (a collective: every process of the plan runs its own,
     on the same group), every transfer done by `deadline`."""
     start, start_cpu, start_faults = time.perf_counter(), time.process_time(), _page_faults()
+    buffers = arena(device)
+    allocations = buffers.allocations
+    buffers.reserve(max((step.staging for step in program.rounds), default=0))
+    try:
+        stats = _run(program, source, sink, transport, deadline, buffers)
+    except BaseException:
+        buffers.release()
+        raise
+    return dataclasses.replace(stats, seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - start_cpu,
+                               page_faults=_page_faults() - start_faults,
+                               host_calls=stats.host_calls + buffers.allocations - allocations)
+
+
+def _run(program: SwitchProgram, source: Source, sink: Sink, transport: Transport, deadline: Deadline,
+         buffers: Arena) -> ExecStats:
     account = _Account(program.old_bytes)
     new_local: dict[int, torch.Tensor] = {}
     old = _OldPieces(source)
+    streams = _Streams(buffers.device)
     sent = received = copied = handed = 0
-    clock = _Phases()
+    clock, calls = _Phases(), _Calls()
     for index, step in enumerate(program.rounds):
         clock.lap()
         for tensor, nbytes, shape in step.opens:
             new_local[tensor] = sink.open(tensor)
             assert tuple(new_local[tensor].shape) == shape, (tensor, tuple(new_local[tensor].shape), shape)
             account.add(nbytes)
+        streams.side_waits()
         clock.lap("open")
-        inbox = [_incoming(m, new_local, device) for m in step.recvs]
-        outbox: list[torch.Tensor] = []  # the packed sends, held until the round is done
-        in_flight = sum(buf.numel() * buf.element_size() for buf, fresh in inbox if fresh)
+        inbox = [_incoming(m, new_local, buffers) for m in step.recvs]  # (wire tensor, staged views or None)
+        outbox: list[torch.Tensor] = []  # the staged sends, held until the round is done
+        in_flight = sum(buf.numel() * buf.element_size() for buf, views in inbox if views is not None)
         account.add(in_flight)
         posted = transport.post_round(
-            _sends(step, index, old, device, outbox),
+            _sends(step, index, old, buffers, streams, outbox, clock, calls),
             [PeerOp(m.peer, buf, index) for m, (buf, _) in zip(step.recvs, inbox)],
             f"switch round {index + 1} of {len(program.rounds)}",
         )
         packed = sum(buf.numel() * buf.element_size() for buf in outbox)
         account.add(packed)  # nothing is freed before the round's end: adding them now gives the same peak
         in_flight += packed
+        calls.n += 2 * (len(step.sends) + len(step.recvs))  # each posted and waited for
         clock.lap("send")
-        for c in step.copies:  # overlaps the messages in flight
+        targets, origins = [], []  # overlaps the messages in flight
+        for c in step.copies:
             target = new_local[c.tensor][c.new]
             nbytes = target.numel() * target.element_size()
             if c.whole and old.hand_over(c.tensor, target):
                 handed += nbytes
+                calls.n += 1
                 continue
-            target.copy_(old.local(c.tensor, c.copy_of)[c.old])
+            targets.append(target)
+            origins.append(old.local(c.tensor, c.copy_of)[c.old])
             copied += nbytes
+        if targets:
+            with streams.copies():
+                torch._foreach_copy_(targets, origins)
+            calls.n += 1
+        del targets, origins
         clock.lap("copy")
-        for i in posted.received(deadline):  # each unpacked while the later ones still travel
-            buf, fresh = inbox[i]
-            if fresh:
-                _unpack(step.recvs[i], buf, new_local)
-        clock.lap("receive")
+        _unpack_as_received(step, inbox, posted.received(deadline), new_local, streams, clock, calls)
         posted.wait(deadline)
+        streams.main_waits()
         clock.lap("wait")
         sent += sum(m.nbytes for m in step.sends)
         received += sum(m.nbytes for m in step.recvs)
         account.sub(in_flight)
         del outbox, inbox, posted
+        buffers.reset()
         for tensor, nbytes in step.closes:
             source.release(tensor)
             account.sub(nbytes)
@@ -257,7 +489,7 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
     for tensor in program.idle_closes:
         source.release(tensor)
     return ExecStats(
-        seconds=time.perf_counter() - start,
+        seconds=0.0,
         rounds=len(program.rounds),
         bytes_sent=sent,
         bytes_received=received,
@@ -267,8 +499,9 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
         new_bytes=program.new_bytes,
         peak_bytes=account.peak,
         phases=clock.seconds,
-        cpu_seconds=time.process_time() - start_cpu,
-        page_faults=_page_faults() - start_faults,
+        pieces=program.pieces,
+        host_calls=calls.n,
+        arena_bytes=buffers.nbytes,
     )
 
 
@@ -280,10 +513,11 @@ def _page_faults() -> int:
 
 
 # Where a switch's rounds spend their time (`ExecStats.phases`), in the order a round runs them:
-# allocating new pieces; packing and posting the sends (the first travel while the next are
-# packed); local copies (while messages are in flight); waiting for each receive and unpacking it
-# (while the later ones travel); waiting for the sends still in flight; freeing old pieces.
-PHASES = ("open", "send", "copy", "receive", "wait", "close")
+# allocating new pieces; packing each peer's staged sends; posting the sends (on gloo, writing what
+# the socket takes at once); local copies (while messages are in flight); waiting for the receives
+# (the wire); unpacking each peer's staged receives (while the later ones travel); waiting for the
+# sends still in flight; freeing old pieces.
+PHASES = ("open", "pack", "send", "copy", "receive", "unpack", "wait", "close")
 
 
 class _Phases:
@@ -337,47 +571,94 @@ def _hand_over(old: torch.Tensor, new: torch.Tensor) -> bool:
     return True
 
 
+class _Calls:
+    """The calls that did work, counted as the executor makes them (`ExecStats.host_calls`)."""
+
+    n: int = 0
+
+
 def _packed_view(buf: torch.Tensor, part: Part) -> torch.Tensor:
     return buf[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape)
 
 
-def _outgoing(message: MessageEnd, source: _OldPieces, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """What to send for `message`, and whether it is a new buffer (else a view of the old piece)."""
+def _staged(message: MessageEnd, buffers: Arena) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An arena buffer for `message`: the tensor that travels (a direct one's typed as its
+    segment, as the other end's) and the views its parts occupy."""
     if message.direct:
         part = message.parts[0]
-        view = source.local(part.tensor, part.copy_of)[part.where]
-        if view.is_contiguous() and view.device == device:
-            return view, False
-        return view.to(device, copy=True, memory_format=torch.contiguous_format), True
-    buf = torch.empty(message.nbytes, dtype=torch.uint8, device=device)
-    for part in message.parts:
-        _packed_view(buf, part).copy_(source.local(part.tensor, part.copy_of)[part.where])
-    return buf, True
+        buf = buffers.take(part.nbytes).view(part.dtype).view(part.shape)
+        return buf, [buf]
+    buf = buffers.take(message.nbytes)
+    return buf, [_packed_view(buf, part) for part in message.parts]
 
 
-def _sends(step: RoundWork, index: int, source: _OldPieces, device: torch.device,
-           outbox: list[torch.Tensor]) -> Iterator[PeerOp]:
-    """The round's sends, each packed only when the transport asks for it (it posts the first
-    while the next is packed); new buffers are kept in `outbox`."""
-    for m in step.sends:
-        buf, fresh = _outgoing(m, source, device)
-        if fresh:
+def _direct(view: torch.Tensor, device: torch.device) -> bool:
+    """Whether a direct message can travel from or into `view` itself."""
+    return view.is_contiguous() and view.device == device
+
+
+def _sends(step: RoundWork, index: int, source: _OldPieces, buffers: Arena, streams: _Streams,
+           outbox: list[torch.Tensor], clock: _Phases, calls: _Calls) -> Iterator[PeerOp]:
+    """The round's sends, peer by peer: each peer's staged messages packed in one call when the
+    transport asks for its first message (it posts one peer's while the next is packed); their
+    buffers are kept in `outbox`."""
+    at = 0
+    while at < len(step.sends):
+        peer = step.sends[at].peer
+        end = next((i for i in range(at, len(step.sends)) if step.sends[i].peer != peer), len(step.sends))
+        clock.lap("send")
+        ops, targets, origins = [], [], []
+        for m in step.sends[at:end]:
+            views = [source.local(part.tensor, part.copy_of)[part.where] for part in m.parts]
+            if m.direct and not m.staged and _direct(views[0], buffers.device):
+                ops.append(PeerOp(peer, views[0], index))
+                continue
+            buf, packed = _staged(m, buffers)
             outbox.append(buf)
-        yield PeerOp(m.peer, buf, index)
+            targets += packed
+            origins += views
+            ops.append(PeerOp(peer, buf, index))
+        if targets:
+            with streams.copies():
+                torch._foreach_copy_(targets, origins)
+            streams.main_waits()
+            calls.n += 1
+        clock.lap("pack")
+        yield from ops
+        at = end
 
 
-def _incoming(message: MessageEnd, new_local: dict[int, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
-    """Where to receive `message`, and whether it is a new buffer (else the new piece itself)."""
-    if message.direct:
+def _incoming(message: MessageEnd, new_local: dict[int, torch.Tensor],
+              buffers: Arena) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Where to receive `message`, and the views of its staged buffer (None: it is received into
+    the new piece itself)."""
+    if message.direct and not message.staged:
         part = message.parts[0]
         target = new_local[part.tensor][part.where]
-        if target.is_contiguous() and target.device == device:
-            return target, False
-        return torch.empty(target.shape, dtype=target.dtype, device=device), True
-    return torch.empty(message.nbytes, dtype=torch.uint8, device=device), True
+        if _direct(target, buffers.device):
+            return target, None
+    return _staged(message, buffers)
 
 
-def _unpack(message: MessageEnd, buf: torch.Tensor, new_local: dict[int, torch.Tensor]) -> None:
-    for part in message.parts:
-        target = new_local[part.tensor][part.where]
-        target.copy_(buf if message.direct else _packed_view(buf, part))
+def _unpack_as_received(step: RoundWork, inbox: list[tuple[torch.Tensor, list[torch.Tensor] | None]],
+                        arrivals: Iterator[int], new_local: dict[int, torch.Tensor], streams: _Streams,
+                        clock: _Phases, calls: _Calls) -> None:
+    """Take the receives as they arrive; once a peer's last staged message is in, copy all its
+    staged messages into the new pieces in one call."""
+    last = {m.peer: i for i, (m, (_, views)) in enumerate(zip(step.recvs, inbox)) if views is not None}
+    targets, origins = [], []
+    clock.lap("receive")
+    for i in arrivals:
+        clock.lap("receive")
+        m, (_, views) = step.recvs[i], inbox[i]
+        if views is None:
+            continue
+        targets += [new_local[part.tensor][part.where] for part in m.parts]
+        origins += views
+        if last[m.peer] == i:
+            streams.side_waits()
+            with streams.copies():
+                torch._foreach_copy_(targets, origins)
+            calls.n += 1
+            targets, origins = [], []
+            clock.lap("unpack")

@@ -70,6 +70,13 @@ class Box:
             a <= b and b + t <= a + s for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes)
         )
 
+    def contiguous_in(self, outer: "Box") -> bool:
+        """Whether this box, cut out of a row-major tensor holding `outer`, is one run of memory:
+        whole in every dim after some dim, and one element wide in every dim before it."""
+        sizes, full = self.sizes, outer.sizes
+        k = next((d for d in range(len(sizes)) if sizes[d] != 1), len(sizes))
+        return all(sizes[d] == full[d] for d in range(k + 1, len(sizes)))
+
     def relative_to(self, outer: "Box") -> tuple[slice, ...]:
         """Slices that cut this box out of a local tensor holding `outer`."""
         assert outer.contains(self), (self, outer)

@@ -176,7 +176,7 @@ def predict(schedule, cluster: Cluster, host_work: np.ndarray | None = None) -> 
             entry.packed |= not direct
             old_box = plan.old_classes[piece.tensor].boxes[piece.flow.a]
             new_box = plan.new_classes[piece.tensor].boxes[piece.flow.b]
-            at_source, at_target = contiguous(piece.box, old_box), contiguous(piece.box, new_box)
+            at_source, at_target = piece.box.contiguous_in(old_box), piece.box.contiguous_in(new_box)
             seconds = [0.0 if direct and whole else nbytes / (cluster.copy_bandwidth if whole else
                                                               cluster.strided_copy_bandwidth)
                        for whole in (at_source, at_target)]
@@ -204,14 +204,6 @@ def predict(schedule, cluster: Cluster, host_work: np.ndarray | None = None) -> 
         busiest_nic_bytes=int(max(totals.nic_in.max(initial=0), totals.nic_out.max(initial=0))),
         busiest_gpu_bytes=int(plan.received.max(initial=0)), copy_bytes=int(totals.copied.max(initial=0)),
     )
-
-
-def contiguous(box, outer) -> bool:
-    """Whether `box`, cut out of a row-major tensor holding `outer`, is one run of memory: whole in
-    every dim after some dim, and one element wide in every dim before it."""
-    sizes, full = box.sizes, outer.sizes
-    k = next((d for d in range(len(sizes)) if sizes[d] != 1), len(sizes))
-    return all(sizes[d] == full[d] for d in range(k + 1, len(sizes)))
 
 
 @dataclasses.dataclass
