@@ -161,6 +161,31 @@ class PredictedSwitch:
                 "predicted_unmapped_bytes": self.pages.unmapped_bytes if known else None}
 
 
+@dataclasses.dataclass(frozen=True)
+class HostWork:
+    """What the executor does per rank in a switch, from its schedule (`reshard.execute.calls_per_rank`:
+    the most of any rank), and the least time its copies take."""
+
+    pieces: int  # segment ends one rank handles
+    host_calls: int  # calls that do work: copies, staging allocations, posts and waits, hand-overs
+    host_calls_before: int  # the same, copying piece by piece
+    copy_floor_seconds: float  # the slowest rank's bytes it must copy at its measured contiguous copy rate
+
+
+def _host_figures(host: HostWork | None, report: SwitchReport, limit: float) -> dict:
+    """The ``time_split``, ``floor_seconds`` and host figures of a record (None where not measured)."""
+    phases = report.move_phases
+    split = {"plan": report.prepare_seconds, "open": phases.get("open", 0.0), "pack": phases.get("pack", 0.0),
+             "wire": sum(phases.get(name, 0.0) for name in ("send", "receive", "wait")),
+             "copy": phases.get("copy", 0.0), "unpack": phases.get("unpack", 0.0), "close": phases.get("close", 0.0),
+             "rebuild": report.seconds - report.move_seconds}
+    known = host is not None
+    return {"time_split": split, "floor_seconds": limit + host.copy_floor_seconds if known else None,
+            "copy_floor_seconds": host.copy_floor_seconds if known else None,
+            "pieces_per_rank": host.pieces if known else None, "host_calls_per_rank": host.host_calls if known else None,
+            "host_calls_before_per_rank": host.host_calls_before if known else None}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SwitchRun:
     """One measurement of a transition: steps 1 to 6 of the module docstring (complete on rank 0)."""
@@ -181,6 +206,7 @@ class SwitchRun:
     state_mismatches: int  # tensors that differ from the DCP-loaded ones, over all ranks
     step_after_seconds: float
     loss_after: float
+    host: HostWork | None = None  # the executor's work per rank and the copies' floor
 
     def as_dict(self) -> dict:
         """The record ``--json`` prints for one repeat (before `summarise`), its ratios (`RATIOS`) last."""
@@ -210,6 +236,7 @@ class SwitchRun:
             "peak_mem_bytes": report.peak_mem_bytes, "extra_mem_bytes": report.extra_mem_bytes,
             "state_mismatches": self.state_mismatches, "step_after_seconds": self.step_after_seconds,
             "loss_after": self.loss_after,
+            **_host_figures(self.host, report, report.max_bytes_received / self.link.bytes_per_s),
         }
         for key, (a, b) in RATIOS.items():
             record[key] = _ratio(record[a], record[b])
@@ -303,10 +330,11 @@ def _transition(trainer: Trainer, after: Layout, corpus, root: Path, opts: Switc
     steps_taken = trainer.progress.step
     prepared = trainer.prepare_switch(after, opts.budget)  # as the run loop does, a step ahead
     predicted = None
+    state = [local(t).detach() for t in trainer.state.tensors().values()]
     if opts.predict:  # the copy rates sample the state the switch will copy
-        state = [local(t).detach() for t in trainer.state.tensors().values()]
         predicted = _predicted(prepared.schedule, state, link.typical_bytes_per_s, opts, device)
-        del state
+    host = _host_work(prepared, state, opts, device)
+    del state
     dist.barrier()
     switch = trainer.switch(prepared)
     switch_s = max_over_ranks(switch.seconds, device)
@@ -317,7 +345,21 @@ def _transition(trainer: Trainer, after: Layout, corpus, root: Path, opts: Switc
     return SwitchRun(before=before, after=after, steps_taken=steps_taken, link=link, dcp_save_seconds=save_s,
                      seal_seconds=seal_s, restart=restart, restart_error=restart_error, dcp_build_seconds=build_s,
                      dcp_load_seconds=load_s, switch=switch, switch_seconds=switch_s, predicted=predicted,
-                     state_mismatches=int(mismatches), step_after_seconds=step_s, loss_after=result.loss)
+                     state_mismatches=int(mismatches), step_after_seconds=step_s, loss_after=result.loss,
+                     host=host)
+
+
+def _host_work(prepared, state: Sequence[torch.Tensor], opts: SwitchBenchOptions, device: torch.device) -> HostWork:
+    """The executor's work per rank for `prepared` (`HostWork`); the copy floor at the rate this
+    rank copies its own state (`calibration.copy_rates`, contiguous)."""
+    from shardshift.bench.calibration import copy_rates
+    from shardshift.reshard.execute import calls_per_rank
+
+    counts = calls_per_rank(prepared.schedule)
+    rate, _ = copy_rates(state, opts.p2p_bytes, device)
+    floor = max_over_ranks(prepared.program.copied_bytes / rate, device)
+    return HostWork(int(counts.pieces.max(initial=0)), int(counts.after.max(initial=0)),
+                    int(counts.before.max(initial=0)), floor)
 
 
 def _predicted(schedule, state: Sequence[torch.Tensor], rate: float, opts: SwitchBenchOptions,
@@ -410,10 +452,11 @@ def _scratch_parent() -> str | None:
 # ``*_max``): the times, the link rate and the ratios of each repeat.
 SPREAD = ("switch_seconds", "move_seconds", "dcp_seconds", "dcp_save_seconds", "dcp_load_seconds", "restart_seconds",
           "limit_seconds", "predicted_seconds", "link_bytes_per_s", "dcp_over_switch", "restart_over_switch",
-          "switch_over_limit", "predicted_over_switch", "predicted_over_move")
+          "switch_over_limit", "predicted_over_switch", "predicted_over_move", "floor_seconds", "switch_over_floor")
 RATIOS = {"dcp_over_switch": ("dcp_seconds", "switch_seconds"),
           "restart_over_switch": ("restart_seconds", "switch_seconds"),
           "switch_over_limit": ("switch_seconds", "limit_seconds"),
+          "switch_over_floor": ("switch_seconds", "floor_seconds"),
           "predicted_over_switch": ("predicted_seconds", "switch_seconds"),
           "predicted_over_move": ("predicted_seconds", "move_seconds")}
 
@@ -435,7 +478,7 @@ def summarise(records: list[dict]) -> dict:
             out[key] = sum(values)
         elif key == "restart_error":
             out[key] = next((v for v in values if v), None)
-        elif key == "move_phases":
+        elif key in ("move_phases", "time_split"):
             out[key] = {name: statistics.median(v[name] for v in values) for name in value}
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and None not in values:
             out[key] = statistics.median(values)

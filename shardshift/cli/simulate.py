@@ -78,6 +78,8 @@ def _text(r: dict) -> str:
         f"{r['rounds']} round(s) within {size('budget_bytes')}, peak {size('peak_extra_bytes')} above the old state",
         f"  links: {size('intra_host_bytes')} inside hosts, {size('inter_host_bytes')} between hosts, "
         f"busiest NIC {size('busiest_nic_bytes')}",
+        f"  executor, busiest rank: {r['pieces_per_rank']:,} pieces, {r['host_calls_per_rank']:,} host calls "
+        f"({r['host_calls_per_rank_before']:,} copying piece by piece)",
         f"  predicted {r['predicted_seconds']:.3f} s on {r['cluster']} (no schedule below {r['limit_seconds']:.3f} s)",
         f"  planned in {r['plan_seconds']:.2f} s, scheduled in {r['schedule_seconds']:.2f} s, timed in "
         f"{r['predict_seconds']:.2f} s; {format_size(r['max_rss_bytes'])} of memory at most",

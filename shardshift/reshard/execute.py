@@ -121,6 +121,7 @@ class Copy:
     old: Slices
     copy_of: int | None = None  # from the copy this process keeps of that lost process's piece
     whole: bool = False  # the whole old piece is the whole new piece: handed over where it can be
+    nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +171,13 @@ class SwitchProgram:
     def host_calls(self) -> int:
         return sum(step.host_calls for step in self.rounds)
 
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes this process copies, where every piece is contiguous and owns its storage: its local
+        copies of pieces not kept whole, and its staged messages (packed, or unpacked)."""
+        return sum(c.nbytes for step in self.rounds for c in step.copies if not c.whole) + sum(
+            m.nbytes for step in self.rounds for m in (*step.sends, *step.recvs) if m.staged)
+
 
 def compile_program(schedule: SwitchSchedule, rank: int) -> SwitchProgram:
     """What `rank` does in each round of `schedule`, every slice and offset computed."""
@@ -202,7 +210,7 @@ def _copy(plan: TransitionPlan, seg: Segment, new_box) -> Copy:
     """A local segment as this process copies it into its new piece (of box `new_box`)."""
     old_box = plan.source_box(seg)
     return Copy(seg.tensor, seg.box.relative_to(new_box), seg.box.relative_to(old_box), seg.copy_of,
-                whole=seg.copy_of is None and seg.box == new_box == old_box)
+                whole=seg.copy_of is None and seg.box == new_box == old_box, nbytes=plan.segment_bytes(seg))
 
 
 def _transfer(plan: TransitionPlan, message: Message, peer: int, box_of, sending: bool = False) -> MessageEnd:

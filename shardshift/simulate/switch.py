@@ -13,6 +13,7 @@ import resource
 import time
 
 from shardshift.layout import Layout
+from shardshift.reshard.execute import calls_per_rank
 from shardshift.reshard.plan import Assignment, TransitionPlan, plan_transition
 from shardshift.reshard.schedule import DEFAULT_BUDGET, SwitchSchedule, build_schedule
 from shardshift.simulate.cluster import Cluster, Prediction, predict
@@ -49,6 +50,7 @@ class SwitchSimulation:
 
     def report(self) -> dict:
         plan, pred = self.plan, self.prediction
+        calls = calls_per_rank(self.schedule)  # the most of any rank; piece by piece and coalesced
         return {
             "from": str(plan.old.layout), "to": str(plan.new.layout), "ranks": plan.world_size,
             "tensors": len(plan.tensors), "new_ranks_order": "identity" if plan.new.ranks == tuple(
@@ -57,6 +59,9 @@ class SwitchSimulation:
             "bytes_lower_bound": plan.bytes_lower_bound, "most_received_bytes": int(plan.received.max(initial=0)),
             "most_sent_bytes": int(plan.sent.max(initial=0)),
             "rounds": len(self.schedule.pieces), "budget_bytes": self.schedule.budget,
+            "pieces_per_rank": int(calls.pieces.max(initial=0)),
+            "host_calls_per_rank_before": int(calls.before.max(initial=0)),
+            "host_calls_per_rank": int(calls.after.max(initial=0)),
             "peak_extra_bytes": int(self.schedule.peaks.max(initial=0)),
             "intra_host_bytes": pred.intra_host_bytes, "inter_host_bytes": pred.inter_host_bytes,
             "busiest_nic_bytes": pred.busiest_nic_bytes, "largest_local_copy_bytes": pred.copy_bytes,

@@ -16,9 +16,10 @@ def _repeat(switch: float, dcp: float, limit: float, mismatches: int = 0, peak: 
     record = {"from": "dp=4", "to": "fsdp=4", "steps_taken": 7, "switch_seconds": switch, "move_seconds": switch / 2,
               "dcp_seconds": dcp, "dcp_save_seconds": dcp / 2, "dcp_load_seconds": dcp / 2, "restart_seconds": None,
               "restart_error": None, "limit_seconds": limit, "predicted_seconds": None, "link_bytes_per_s": 1 / limit,
-              "bytes_moved": 64, "peak_mem_bytes": peak, "extra_mem_bytes": peak // 2, "state_mismatches": mismatches}
+              "bytes_moved": 64, "peak_mem_bytes": peak, "extra_mem_bytes": peak // 2, "state_mismatches": mismatches,
+              "floor_seconds": None}
     for key, (a, b) in RATIOS.items():
-        record[key] = None if record[a] is None else record[a] / record[b]
+        record[key] = None if record[a] is None or record[b] is None else record[a] / record[b]
     return record
 
 
@@ -57,7 +58,8 @@ _MODEL_KEYS = ["predicted_seconds", "model_link_bytes_per_s", "model_message_sec
                "model_mapped_share", "predicted_fresh_bytes", "predicted_unmapped_bytes"]
 _AFTER = ["link_bytes_per_s", "link_cpu_seconds_per_byte", "bytes_moved", "bytes_kept", "bytes_handed_over",
           "bytes_lower_bound", "bytes_total", "max_bytes_received", "rounds", "budget", "peak_mem_bytes",
-          "extra_mem_bytes", "state_mismatches", "step_after_seconds", "loss_after"]
+          "extra_mem_bytes", "state_mismatches", "step_after_seconds", "loss_after", "time_split", "floor_seconds",
+          "copy_floor_seconds", "pieces_per_rank", "host_calls_per_rank", "host_calls_before_per_rank"]
 
 
 def _run(predicted=None, restart=None, error=None):

@@ -16,7 +16,16 @@ from shardshift.comm import Deadline, TransferError, Transport
 from shardshift.elastic.redundancy import copy_duties, plan_copies
 from shardshift.layout import Layout
 from shardshift.models.space import state_space
-from shardshift.reshard.execute import PHASES, Copy, RoundWork, SwitchProgram, compile_program, run_program
+from shardshift.reshard.execute import (
+    PHASES,
+    Copy,
+    RoundWork,
+    SwitchProgram,
+    arena,
+    calls_per_rank,
+    compile_program,
+    run_program,
+)
 from shardshift.reshard.plan import Assignment, holdings_of, plan_transition
 from shardshift.reshard.schedule import ALIGN, build_schedule
 from shardshift.reshard.space import Box
@@ -221,3 +230,37 @@ def test_the_pages_a_switch_first_touches_are_counted():
     again = faults(lambda: touched)
     assert fresh >= nbytes // mmap.PAGESIZE and again <= fresh // 4, (fresh, again)  # every fresh page faults once
     assert torch.equal(touched, source.local(0))
+
+
+def test_a_round_s_work_is_a_few_calls_per_peer_and_its_buffers_come_from_one_arena():
+    """Run the same switch twice on each rank's thread: the second takes every staging buffer from
+    the arena the first left (no allocation), and the calls made are those the program and the
+    schedule's count predict, a post and a wait per message plus at most one copy per peer at each
+    end, one for the local copies and one per hand-over: far fewer than the pieces."""
+    space = state_space(CFG, torch.float32)
+    fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
+    plan = plan_transition(space, Assignment.identity(Layout(fsdp=4)), Layout(tp=2, pp=2))
+    schedule = build_schedule(plan, 64 << 10)
+    counts = calls_per_rank(schedule)
+
+    def body(group, rank):
+        runs = []
+        for _ in range(2):
+            source = _Source({t: _slice(fulls[t], box).clone() for t, box in enumerate(plan.old_boxes[rank]) if box})
+            before = arena(torch.device("cpu")).allocations
+            sink, stats = _run(schedule, rank, group, source)
+            runs.append((sink, stats, arena(torch.device("cpu")).allocations - before))
+        return compile_program(schedule, rank), runs
+
+    for rank, (program, runs) in enumerate(run_ranks(4, body)):
+        (_, first, _), (sink, second, allocated) = runs
+        assert allocated == 0 and second.arena_bytes == first.arena_bytes
+        assert second.arena_bytes >= max(step.staging for step in program.rounds) > 0
+        assert second.host_calls == program.host_calls == counts.after[rank] < counts.before[rank]
+        assert second.pieces == program.pieces == counts.pieces[rank]
+        for step in program.rounds:
+            peers = {m.peer for m in (*step.sends, *step.recvs)}
+            assert step.host_calls <= 2 * (len(step.sends) + len(step.recvs)) + 2 * len(peers) + 1 + len(step.copies)
+        for t, box in enumerate(plan.new_boxes[rank]):
+            if box is not None:
+                assert torch.equal(sink.pieces[t], _slice(fulls[t], box)), (rank, space.tensors[t].key)

@@ -316,8 +316,9 @@ def test_the_command_reports_every_figure_as_json(capsys):
     report = json.loads(out)
     assert report["cluster"].startswith("cluster-dynatrain: 64 host(s) x 8 GPUs")
     for key in ("bytes_moved", "bytes_kept", "bytes_lower_bound", "rounds", "peak_extra_bytes", "busiest_nic_bytes",
-                "predicted_seconds", "plan_seconds", "schedule_seconds", "max_rss_bytes"):
+                "predicted_seconds", "plan_seconds", "schedule_seconds", "max_rss_bytes", "pieces_per_rank"):
         assert key in report, key
+    assert 0 < report["host_calls_per_rank"] <= report["host_calls_per_rank_before"]
     assert report["bytes_moved"] == report["bytes_lower_bound"] > 0 and report["predicted_seconds"] > 0
 
 
