@@ -17,13 +17,13 @@ round and the peer.
 **Coalesced rounds.** The work of a round does not grow in calls with its pieces. Large segments
 are sent from, and received into, the state tensors themselves wherever their slice is contiguous:
 no copy, a message each. Every other byte is *staged*: it passes through a buffer in the `Arena`,
-and all the copies into one peer's buffers are one ``torch._foreach_copy_`` over the views of its
-pieces, as are all the copies out of one peer's buffers once its last staged message is in, and all
-the round's local copies. A round, as one process runs it: allocate the new pieces it starts;
-post every receive; for each peer in turn, pack its staged sends in one call and post its sends
-(the first peer's travel while the next is packed); make the local copies while the messages are
-in flight; take the receives in order and unpack each peer's in one call as soon as they are in;
-wait for the sends; free the old pieces it ends. The seconds of each phase (`PHASES`) come back in
+and all the copies into one message's buffer are one ``torch._foreach_copy_`` over the views of its
+pieces, as are all the copies out of it and all the round's local copies: a round makes a few calls
+per message (a message carries every small segment between its two processes), not one per piece.
+A round, as one process runs it: allocate the new pieces it starts; post every receive; pack and
+post the sends one by one (the first travel while the next are packed); make the local copies
+while the messages are in flight; take the receives in order, unpacking each as soon as it is in
+(while the later ones still travel); wait for the sends; free the old pieces it ends. The seconds of each phase (`PHASES`) come back in
 `ExecStats.phases`, and the calls that do work (`ExecStats.host_calls`: copies, staging
 allocations, posts and waits, hand-overs) are counted; `host_calls` predicts them from the
 compiled program, and `calls_per_rank` from a schedule of any size.
@@ -126,8 +126,7 @@ class Copy:
 
 @dataclasses.dataclass(frozen=True)
 class RoundWork:
-    """One round, as one process runs it. A peer's messages are consecutive in `sends` and in
-    `recvs`, its direct ones first (`schedule.SwitchSchedule.messages`)."""
+    """One round, as one process runs it."""
 
     opens: tuple[tuple[int, int, tuple[int, ...]], ...]  # (tensor, bytes, shape): new pieces, first
     sends: tuple[MessageEnd, ...]
@@ -144,8 +143,8 @@ class RoundWork:
     def host_calls(self) -> int:
         """The calls that do work (`calls_per_rank`), where every piece is contiguous, owns its
         storage and is handed over where whole."""
-        return (2 * (len(self.sends) + len(self.recvs)) + len({m.peer for m in self.sends if m.staged})
-                + len({m.peer for m in self.recvs if m.staged}) + sum(c.whole for c in self.copies)
+        messages = (*self.sends, *self.recvs)
+        return (2 * len(messages) + sum(m.staged for m in messages) + sum(c.whole for c in self.copies)
                 + any(not c.whole for c in self.copies))
 
 
@@ -240,8 +239,8 @@ def calls_per_rank(schedule: SwitchSchedule) -> CallCounts:
     """`CallCounts` of every process of `schedule`, from its flow pieces (no segment is spelt out,
     so it runs for thousands of processes): every message end is a post and a wait; piece by
     piece, every staged message end is an allocation and every staged part or local copy a call;
-    coalesced, every peer with staged messages one call at each end, a round's local copies one
-    call, and every whole piece kept one hand-over. As `SwitchProgram.host_calls`, it takes every
+    coalesced, every staged message end one call, a round's local copies one call, and every whole
+    piece kept one hand-over. As `SwitchProgram.host_calls`, it takes every
     piece as contiguous, owning its storage."""
     plan, n = schedule.plan, schedule.plan.world_size
     pieces, before, after = (np.zeros(n, dtype=np.int64) for _ in range(3))
@@ -253,7 +252,7 @@ def calls_per_rank(schedule: SwitchSchedule) -> CallCounts:
             np.add.at(counts, pairs % n, weight)
 
     for round_pieces in schedule.pieces:
-        packed, staged_out, staged_in, copying = [], [], [], []
+        packed, copying = [], []
         for piece in round_pieces:
             flow, itemsize = piece.flow, plan.tensors[piece.tensor].itemsize
             old_box = plan.old_classes[piece.tensor].boxes[flow.a]
@@ -275,18 +274,12 @@ def calls_per_rank(schedule: SwitchSchedule) -> CallCounts:
                 np.add.at(before, dst, 1)
                 continue
             ends(pairs, 2)  # a message of its own: posted and waited for
-            for end, contiguous, staged in ((src, piece.box.contiguous_in(old_box), staged_out),
-                                            (dst, piece.box.contiguous_in(new_box), staged_in)):
+            for end, contiguous in ((src, piece.box.contiguous_in(old_box)), (dst, piece.box.contiguous_in(new_box))):
                 if not contiguous:
                     np.add.at(before, end, 2)  # a buffer and a copy into or out of it
-                    staged.append(pairs)
+                    np.add.at(after, end, 1)  # a copy into or out of the arena
         packed_pairs = np.unique(np.concatenate(packed)) if packed else np.zeros(0, dtype=np.int64)
-        ends(packed_pairs, 2)
-        np.add.at(before, packed_pairs // n, 1)  # the buffer, each end
-        np.add.at(before, packed_pairs % n, 1)
-        for pairs, at in ((staged_out, lambda p: p // n), (staged_in, lambda p: p % n)):
-            peers = np.unique(np.concatenate([packed_pairs, *pairs]))
-            np.add.at(after, at(peers), 1)  # one pack (or unpack) per peer
+        ends(packed_pairs, 3)  # posted, waited for, packed in one call (before: its buffer; its parts apart)
         if copying:
             np.add.at(after, np.unique(np.concatenate(copying)), 1)
     return CallCounts(pieces, before, after)
@@ -521,10 +514,10 @@ def _page_faults() -> int:
 
 
 # Where a switch's rounds spend their time (`ExecStats.phases`), in the order a round runs them:
-# allocating new pieces; packing each peer's staged sends; posting the sends (on gloo, writing what
-# the socket takes at once); local copies (while messages are in flight); waiting for the receives
-# (the wire); unpacking each peer's staged receives (while the later ones travel); waiting for the
-# sends still in flight; freeing old pieces.
+# allocating new pieces; packing the staged sends; posting the sends (on gloo, writing what the
+# socket takes at once); local copies (while messages are in flight); waiting for the receives (the
+# wire); unpacking the staged receives (while the later ones travel); waiting for the sends still
+# in flight; freeing old pieces.
 PHASES = ("open", "pack", "send", "copy", "receive", "unpack", "wait", "close")
 
 
@@ -607,33 +600,22 @@ def _direct(view: torch.Tensor, device: torch.device) -> bool:
 
 def _sends(step: RoundWork, index: int, source: _OldPieces, buffers: Arena, streams: _Streams,
            outbox: list[torch.Tensor], clock: _Phases, calls: _Calls) -> Iterator[PeerOp]:
-    """The round's sends, peer by peer: each peer's staged messages packed in one call when the
-    transport asks for its first message (it posts one peer's while the next is packed); their
-    buffers are kept in `outbox`."""
-    at = 0
-    while at < len(step.sends):
-        peer = step.sends[at].peer
-        end = next((i for i in range(at, len(step.sends)) if step.sends[i].peer != peer), len(step.sends))
+    """The round's sends, each staged one packed in one call when the transport asks for it (it
+    posts the first while the next is packed); their buffers are kept in `outbox`."""
+    for m in step.sends:
         clock.lap("send")
-        ops, targets, origins = [], [], []
-        for m in step.sends[at:end]:
-            views = [source.local(part.tensor, part.copy_of)[part.where] for part in m.parts]
-            if m.direct and not m.staged and _direct(views[0], buffers.device):
-                ops.append(PeerOp(peer, views[0], index))
-                continue
-            buf, packed = _staged(m, buffers)
-            outbox.append(buf)
-            targets += packed
-            origins += views
-            ops.append(PeerOp(peer, buf, index))
-        if targets:
-            with streams.copies():
-                torch._foreach_copy_(targets, origins)
-            streams.main_waits()
-            calls.n += 1
+        views = [source.local(part.tensor, part.copy_of)[part.where] for part in m.parts]
+        if m.direct and not m.staged and _direct(views[0], buffers.device):
+            yield PeerOp(m.peer, views[0], index)
+            continue
+        buf, packed = _staged(m, buffers)
+        outbox.append(buf)
+        with streams.copies():
+            torch._foreach_copy_(packed, views)
+        streams.main_waits()
+        calls.n += 1
         clock.lap("pack")
-        yield from ops
-        at = end
+        yield PeerOp(m.peer, buf, index)
 
 
 def _incoming(message: MessageEnd, new_local: dict[int, torch.Tensor],
@@ -651,22 +633,16 @@ def _incoming(message: MessageEnd, new_local: dict[int, torch.Tensor],
 def _unpack_as_received(step: RoundWork, inbox: list[tuple[torch.Tensor, list[torch.Tensor] | None]],
                         arrivals: Iterator[int], new_local: dict[int, torch.Tensor], streams: _Streams,
                         clock: _Phases, calls: _Calls) -> None:
-    """Take the receives as they arrive; once a peer's last staged message is in, copy all its
-    staged messages into the new pieces in one call."""
-    last = {m.peer: i for i, (m, (_, views)) in enumerate(zip(step.recvs, inbox)) if views is not None}
-    targets, origins = [], []
+    """Take the receives as they arrive, copying each staged one into the new pieces in one call
+    (while the later ones still travel)."""
     clock.lap("receive")
     for i in arrivals:
         clock.lap("receive")
         m, (_, views) = step.recvs[i], inbox[i]
         if views is None:
             continue
-        targets += [new_local[part.tensor][part.where] for part in m.parts]
-        origins += views
-        if last[m.peer] == i:
-            streams.side_waits()
-            with streams.copies():
-                torch._foreach_copy_(targets, origins)
-            calls.n += 1
-            targets, origins = [], []
-            clock.lap("unpack")
+        streams.side_waits()
+        with streams.copies():
+            torch._foreach_copy_([new_local[part.tensor][part.where] for part in m.parts], views)
+        calls.n += 1
+        clock.lap("unpack")
