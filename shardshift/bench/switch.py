@@ -28,7 +28,15 @@ One trainer walks a chain of layouts L0 → L1 → … on the bench's processes,
 
 ``dcp_seconds`` is save + load. ``limit_seconds`` is `SwitchReport.max_bytes_received` ÷ the link
 rate: no switch finishes before its busiest receiver has taken its bytes in at the rate the links
-give when every pair is busy (local copies are not in it). Every time is the slowest rank's.
+give when every pair is busy (local copies are not in it). ``floor_seconds`` adds the copies the
+executor must make (``copy_floor_seconds``: the slowest rank's `SwitchProgram.copied_bytes`, local
+copies of pieces not handed over and staged messages, at the contiguous rate it copies its own
+state, `calibration.copy_rates`); ``switch_over_floor`` is what remains. ``time_split`` divides the
+switch: ``plan`` (preparing, not counted), ``open``, ``pack``, ``wire`` (posting the sends, waiting
+for the receives and the sends), ``copy``, ``unpack``, ``close`` (each phase the slowest rank's), and
+``rebuild`` (the switch less the moving). ``pieces_per_rank``, ``host_calls_per_rank`` and
+``host_calls_before_per_rank`` are the busiest rank's from the schedule
+(`reshard.execute.calls_per_rank`: coalesced, and copying piece by piece). Every time is the slowest rank's.
 ``move_seconds`` is the part of the switch that runs its schedule; ``move_cpu_seconds`` the
 processor time of every rank's process meanwhile, summed, and ``transfer_cpu_seconds`` what the
 bytes moved cost at the link measurement's processor time per byte; ``move_page_faults`` the pages
@@ -564,6 +572,14 @@ def report(opts: SwitchBenchOptions, records: list[dict], device_type: str) -> d
               f"({_fmt(busy, '.1f')} cores busy); the links' cost of the bytes moved: {r['transfer_cpu_seconds']:.2f} "
               f"core-s ({1e9 * r['link_cpu_seconds_per_byte']:.2f} per GB); "
               f"{int(r['move_page_faults'])} pages first touched")
+    print("the floor (limit + the copies a rank must make, at its copy rate), where the time went (slowest rank "
+          "per phase) and the executor's work on the busiest rank:")
+    for r in records:
+        split = ", ".join(f"{name} {seconds:.3f}" for name, seconds in r["time_split"].items())
+        print(f"  {r['from'] + ' -> ' + r['to']:<26} floor {_fmt(r['floor_seconds'], '.3f')} s "
+              f"(copies {_fmt(r['copy_floor_seconds'], '.3f')}), sw/floor {_fmt(r['switch_over_floor'], '.2f')}; "
+              f"{split}; {_fmt(r['pieces_per_rank'], '.0f')} pieces, {_fmt(r['host_calls_per_rank'], '.0f')} host calls "
+              f"({_fmt(r['host_calls_before_per_rank'], '.0f')} piece by piece)")
     if opts.predict:
         print("predicted on an alpha-beta model of this machine "
               "(link rate, per-message cost, copy rates, per-piece cost):")
