@@ -121,7 +121,7 @@ class Copy:
     old: Slices
     copy_of: int | None = None  # from the copy this process keeps of that lost process's piece
     whole: bool = False  # the whole old piece is the whole new piece: handed over where it can be
-    nbytes: int = 0
+    nbytes: int = 0  # of the segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +136,8 @@ class RoundWork:
 
     @property
     def staging(self) -> int:
-        """Arena bytes the round's staged messages take (each starts aligned)."""
-        return sum(m.nbytes for m in (*self.sends, *self.recvs) if m.staged)  # a direct one's: its part, aligned
+        """Arena bytes the round's staged messages take (`Message.nbytes`: aligned)."""
+        return sum(m.nbytes for m in (*self.sends, *self.recvs) if m.staged)
 
     @property
     def host_calls(self) -> int:
@@ -240,12 +240,12 @@ def calls_per_rank(schedule: SwitchSchedule) -> CallCounts:
     so it runs for thousands of processes): every message end is a post and a wait; piece by
     piece, every staged message end is an allocation and every staged part or local copy a call;
     coalesced, every staged message end one call, a round's local copies one call, and every whole
-    piece kept one hand-over. As `SwitchProgram.host_calls`, it takes every
-    piece as contiguous, owning its storage."""
+    piece kept one hand-over. As `SwitchProgram.host_calls`, it takes every piece as contiguous,
+    owning its storage."""
     plan, n = schedule.plan, schedule.plan.world_size
     pieces, before, after = (np.zeros(n, dtype=np.int64) for _ in range(3))
 
-    def ends(pairs: np.ndarray, weight: int | np.ndarray = 1) -> None:
+    def ends(pairs: np.ndarray, weight: int) -> None:
         """Book `weight` calls at both ends of each (src * n + dst) pair."""
         for counts in (before, after):
             np.add.at(counts, pairs // n, weight)
@@ -352,6 +352,7 @@ class Arena:
         return self.block[end - nbytes : end]
 
     def reset(self) -> None:
+        """Take every buffer back; where the round spilled, grow the block to what it needed."""
         need = self.used + self.spilled
         self.used = self.spilled = 0
         self.reserve(need)
