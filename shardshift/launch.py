@@ -14,8 +14,9 @@ link emulation's `run` (whose ranks start inside network namespaces: it passes i
   The fork gets its own session, environment, standard streams and the signal handlers the
   process had before the launcher set its own, runs the command, and ends with `os._exit` (never
   returning into the launcher's code). `Forked` watches it as `subprocess.Popen` watches a child.
-- `supervise(procs, timeout_s)` waits: when a rank exits with an error the others are stopped at
-  once, and past `timeout_s` all are. When `cancelled()` becomes true (a signal, in `launch`),
+- `supervise(procs, timeout_s)` waits: when a rank exits with an error the others get `settle_s`
+  to fail on their own (each says what broke for it: the collective, the switch round, the peer)
+  and are then stopped; past `timeout_s` all are. When `cancelled()` becomes true (a signal, in `launch`),
   every rank gets SIGTERM and `drain_s` to finish on its own (a training run saves a checkpoint
   then), and only what is left after that is killed.
 - `stop(procs)` sends SIGTERM to each rank's process group, SIGKILL after a grace period, and
@@ -61,6 +62,7 @@ from shardshift.console import say
 STORE_ENV = "SHARDSHIFT_STORE"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # passed on to the ranks as SIGTERM
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
+SETTLE_S = 2.0  # after a rank fails: time for the others to fail on their own, saying why, before they are stopped
 DRAIN_S = 120.0  # after a signal: time for the ranks to finish their step and save before SIGKILL
 TIMEOUT_EXIT = 124  # exit status of a job stopped for running past its time, as timeout(1) uses
 TAIL_LINES = 20  # of a failed rank's log, repeated in the launcher's message
@@ -312,12 +314,14 @@ class Outcome:
 
 
 def supervise(procs: Sequence[subprocess.Popen | Forked], timeout_s: float | None = None, grace_s: float = GRACE_S,
-              cancelled: Callable[[], bool] = lambda: False, drain_s: float = 0.0) -> Outcome:
-    """Wait until every rank has exited; stop them all as soon as one fails or `timeout_s` passes.
-    Once `cancelled()` becomes true, every rank gets SIGTERM and up to `drain_s` to exit on its own
-    (exits then are not failures), after which what is left is stopped."""
+              cancelled: Callable[[], bool] = lambda: False, drain_s: float = 0.0,
+              settle_s: float = SETTLE_S) -> Outcome:
+    """Wait until every rank has exited; stop them all `settle_s` after one fails, or once
+    `timeout_s` passes. Once `cancelled()` becomes true, every rank gets SIGTERM and up to
+    `drain_s` to exit on its own (exits then are not failures), after which what is left is stopped."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     drained_by = None  # set when cancelled: the end of the drain
+    settled_by = None  # set when a rank fails: the end of the others' time to fail on their own
     while True:
         codes = tuple(proc.poll() for proc in procs)
         if drained_by is None and cancelled():
@@ -331,8 +335,11 @@ def supervise(procs: Sequence[subprocess.Popen | Forked], timeout_s: float | Non
             # A rank killed by a signal is named first: its peers fail after it, their collectives broken.
             errors = [(code >= 0, rank) for rank, code in enumerate(codes) if code not in (None, 0)]
             failed = min(errors)[1] if errors else None
+            if failed is not None and settled_by is None:
+                settled_by = time.monotonic() + settle_s
             timed_out = deadline is not None and time.monotonic() > deadline and None in codes
-            if failed is not None or timed_out or None not in codes:
+            settled = settled_by is not None and time.monotonic() > settled_by
+            if settled or timed_out or None not in codes:
                 if None in codes:
                     stop(procs, grace_s)
                 return Outcome(codes, failed, timed_out and failed is None)

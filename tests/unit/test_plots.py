@@ -416,10 +416,10 @@ def test_collectives_bench_lines_per_implementation_with_the_bound_dashed(tmp_pa
 
 
 def test_train_bench_bars_per_layout_grouped_by_further_columns(tmp_path, capsys):
-    from shardshift.bench.train import Throughput, TrainBenchOptions, report
+    from shardshift.bench.train import Throughput, TrainBenchOptions, Variant, report
 
     base = TrainConfig(layout=Layout(dp=4), model=model_spec("test"), steps=11)
-    opts = TrainBenchOptions(base=base, also=(Layout(fsdp=4),), json=True)
+    opts = TrainBenchOptions(base=base, also=(Variant(Layout(fsdp=4)),), json=True)
     result = report(opts, [Throughput(("ddp", "gloo"), 9, 1.0, 900.0), Throughput(("dp=4", "gloo"), 9, 1.0, 800.0),
                            Throughput(("fsdp=4", "gloo"), 9, 2.0, 450.0)], "cpu")
     assert json.loads(capsys.readouterr().out) == result
