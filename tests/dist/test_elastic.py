@@ -106,8 +106,8 @@ def qwen2(tmp_path_factory) -> str:
 WITH_EP = ["--layout-for", "4:ep=2,fsdp=2", "--layout-for", "3:fsdp=3", "--layout-for", "2:ep=2"]
 
 
-@pytest.mark.parametrize("model", ["test", "llama-test", EXAMPLE_MODEL, "qwen2", "moe-test"],
-                         ids=["test", "llama-test", "own-module", "hf-qwen2", "moe-test"])
+@pytest.mark.parametrize("model", ["test", EXAMPLE_MODEL, "qwen2", "moe-test"],
+                         ids=["test", "own-module", "hf-qwen2", "moe-test"])
 def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp_path, budget, fixed_runs, model,
                                                                              request):
     """4 workers (fsdp=4, --redundancy 1: each worker's pieces also kept by the next); after step 2
@@ -116,8 +116,9 @@ def test_a_world_that_shrinks_and_grows_computes_what_a_fixed_world_computes(tmp
     step 6 two workers the coordinator started join (2 -> 4). The global batch of 6 splits
     unevenly among 4 workers. Losses and the final parameters and AdamW state equal the fixed
     run's (one process: by the numerics contract, what any fixed world computes), and no step is lost, for
-    the `test` GPT, `llama-test`, the README's own module, a Qwen2 model run by transformers'
-    modules (`hf:DIR`, its saved weights) and the mixture of experts `moe-test` (under `WITH_EP`). (Recovery from a layout's replicas: the next test.)"""
+    the `test` GPT, the README's own module (a plain nn.Module), a Qwen2 model run by
+    transformers' modules (`hf:DIR`, its saved weights) and the mixture of experts `moe-test`
+    (under `WITH_EP`). (Recovery from a layout's replicas: the next test.)"""
     if model == "qwen2":
         model = request.getfixturevalue("qwen2")
     fixed = fixed_runs(model)

@@ -32,7 +32,7 @@ from support import EXAMPLE_MODEL
 from support.dist import run_distributed
 from support.training import ATOL, differences, full_parameters, local_state
 
-STEPS = 5
+STEPS = 3
 RTOL = 1e-9
 MODELS = ("test", "llama-test", "llama-test-tied", EXAMPLE_MODEL)
 TIED = LlamaSpec("llama-test-tied", dataclasses.replace(model_spec("llama-test").config, tie_word_embeddings=True))
