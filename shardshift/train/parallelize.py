@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -129,18 +129,59 @@ def build_parallel(layout: Layout, rank: int, device_type: str, ranks: tuple[int
     # FSDP2 shards by a process's rank in the axis group, which `new_group` sorts: the mesh must
     # run in increasing rank order along every axis for that to match DTensor's coordinates.
     assert increasing_on_every_axis(layout, ranks), f"rank order {ranks} runs backwards on an axis"
-    shape = tuple(getattr(layout, axis) for axis in MESH_AXES)
-    override = {}
+    grid = torch.tensor(ranks).reshape(tuple(getattr(layout, axis) for axis in MESH_AXES))
+    backend = None
     if trees is not None:
         from shardshift.collectives.execution.backend import BACKEND_NAME
 
-        override = {axis: (BACKEND_NAME, trees) for axis in TREE_AXES if getattr(layout, axis) > 1}
-    if ranks == tuple(range(layout.world_size)):
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES, backend_override=override or None)
-    else:
-        mesh = DeviceMesh(device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=MESH_AXES,
-                          backend_override=tuple(override.get(axis, (None, None)) for axis in MESH_AXES))
+        backend = BACKEND_NAME
+    groups = []
+    for dim, axis in enumerate(MESH_AXES):
+        # every rank makes every group of the axis, in the same order (`new_group` is collective)
+        lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+        axis_backend = backend if axis in TREE_AXES and grid.shape[dim] > 1 else None
+        mine = [_GROUPS.get(tuple(line), axis_backend, trees) for line in lines]
+        groups.append(next(group for line, group in zip(lines, mine) if rank in line))
+    mesh = DeviceMesh.from_group(groups, device_type, grid, mesh_dim_names=MESH_AXES)
     return Parallel(layout=layout, mesh=mesh, coord=layout.coord(ranks.index(rank)), ranks=ranks, trees=trees)
+
+
+class _Groups:
+    """The process groups of this process's meshes, by their ranks and backend, made once each.
+
+    A mesh's axes are made of groups: a layout's mesh takes the group that any earlier mesh made for
+    the same ranks, and a group is made (`dist.new_group`, by every rank, in the same order) only
+    for ranks no mesh had yet. So a job that switches back and forth holds one group per set of
+    ranks it ever used, not one per switch (a group holds resources until destroyed: gloo three
+    threads, NCCL a communicator and its device memory). It also keeps DTensor's caches right:
+    they compare meshes by their ranks and axes, not by their groups, and may hand an op on the new
+    mesh a spec made with an old one, whose groups are then the same. The groups go with the world
+    whose default group they were made under (`forget_old_meshes` after it is destroyed)."""
+
+    def __init__(self) -> None:
+        self.world = None  # the default group they were made under
+        self.made: dict[tuple[tuple[int, ...], str | None], dist.ProcessGroup] = {}
+
+    def get(self, ranks: tuple[int, ...], backend: str | None, options) -> dist.ProcessGroup:
+        """The group of `ranks` (a placeholder where this process is not one of them)."""
+        if self.world is not dist.group.WORLD:
+            self.forget()
+            self.world = dist.group.WORLD
+        key = (ranks, backend)
+        if key not in self.made:
+            if backend is None and ranks == tuple(range(dist.get_world_size())):
+                self.made[key] = dist.group.WORLD
+            else:
+                self.made[key] = dist.new_group(list(ranks), backend=backend, pg_options=options,
+                                                group_desc=f"mesh_{'_'.join(map(str, ranks))}")
+        return self.made[key]
+
+    def forget(self) -> None:
+        self.world = None
+        self.made.clear()
+
+
+_GROUPS = _Groups()
 
 
 def tree_options(cfg, timeout_s: float, topology=None):
@@ -182,9 +223,11 @@ def forget_old_meshes() -> None:
     objects they were computed with. In a new world whose mesh equals an earlier world's, a cached
     decision would hand out the earlier mesh, and with it this process's coordinate in that world:
     DTensors made by later ops then claim the wrong shard (DCP then saw two ranks at one offset).
-    The caches are private in PyTorch 2.13 (`compat.clear_sharding_caches`).
+    The caches are private in PyTorch 2.13 (`compat.clear_sharding_caches`). The groups the world's
+    meshes were made of are forgotten too (`_Groups`).
     """
     clear_sharding_caches()
+    _GROUPS.forget()
 
 
 def build_stage_model(spec: ModelSpec, par: Parallel, dtype: torch.dtype, seed: int,

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 
 import pytest
@@ -184,10 +186,19 @@ def _switching_run(rank: int, world_size: int) -> dict:
     start = local_state(trainer)
     trainer.switch(Layout.parse("tp=2,pp=2"), budget=BUDGET)
     trainer.switch(Layout.parse("fsdp=4"), budget=BUDGET)
+    round_trip = differences(start, local_state(trainer))
+    # More round trips leave no more threads behind (each gloo group has three): the old layout's
+    # groups are destroyed by each switch.
+    threads = []
+    for _ in range(2):
+        for _ in range(3):
+            trainer.switch(Layout.parse("tp=2,pp=2"), budget=BUDGET)
+            trainer.switch(Layout.parse("fsdp=4"), budget=BUDGET)
+        gc.collect()
+        threads.append(len(os.listdir("/proc/self/task")))
     return {
         "expected": expected, "losses": losses, "reports": reports, "refused": refused,
-        "unchanged": unchanged, "round_trip": differences(start, local_state(trainer)),
-        "layout": str(trainer.cfg.layout),
+        "unchanged": unchanged, "round_trip": round_trip, "layout": str(trainer.cfg.layout), "threads": threads,
     }
 
 
@@ -213,3 +224,4 @@ def test_switching_run_matches_the_unswitched_run(budget):
         assert "has 2 ranks but the job has 4" in result["refused"][1]
         assert "pp=8" in result["refused"][2]
         assert result["round_trip"] == [] and result["layout"] == "fsdp=4"
+        assert result["threads"][1] <= result["threads"][0], result["threads"]
