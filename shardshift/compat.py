@@ -7,6 +7,8 @@ still holds, saying what to change when one does not).
 - ``torch.UntypedStorage._swap_data_ptr_`` (`can_swap_storages`, `swap_storages`): a switch gives
   a new piece the bytes of an old one of the same size by swapping their storages' data pointers
   instead of copying (`reshard.execute`). Without it, the executor copies.
+- ``torch._foreach_copy_`` (`foreach_copy`): a switch copies all the pieces into (or out of) one
+  message's buffer, and a round's local copies, in one call each (`reshard.execute`).
 - ``torch.distributed._functional_collectives.all_to_all_single_autograd`` and ``wait_tensor``
   (`all_to_all_autograd`): expert parallelism's token exchange, an all-to-all with uneven splits
   whose backward sends the gradients back the same way (`train.dispatch`).
@@ -54,6 +56,11 @@ def can_swap_storages() -> bool:
 def swap_storages(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the data pointers of two storages of the same size (what each tensor on them reads)."""
     _SWAP(a, b)
+
+
+def foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every i, in one call (shapes alike pairwise)."""
+    torch._foreach_copy_(targets, sources)
 
 
 def all_to_all_autograd(tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],

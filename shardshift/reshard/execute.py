@@ -17,7 +17,7 @@ round and the peer.
 **Coalesced rounds.** The work of a round does not grow in calls with its pieces. Large segments
 are sent from, and received into, the state tensors themselves wherever their slice is contiguous:
 no copy, a message each. Every other byte is *staged*: it passes through a buffer in the `Arena`,
-and all the copies into one message's buffer are one ``torch._foreach_copy_`` over the views of its
+and all the copies into one message's buffer are one ``foreach_copy`` (``torch._foreach_copy_``) over the views of its
 pieces, as are all the copies out of it and all the round's local copies: a round makes a few calls
 per message (a message carries every small segment between its two processes), not one per piece.
 A round, as one process runs it: allocate the new pieces it starts; post every receive; pack and
@@ -28,11 +28,11 @@ while the messages are in flight; take the receives in order, unpacking each as 
 allocations, posts and waits, hand-overs) are counted; `host_calls` predicts them from the
 compiled program, and `calls_per_rank` from a schedule of any size.
 
-**The arena.** Staging buffers are cut from one block of memory per device, kept by the process
-from round to round and from switch to switch (`arena`), so a round touches no fresh memory for
-its buffers. The block grows to the largest round's staging and no further (`release_arena` hands
-it back). The account below books each round's staged bytes as the round's buffers; the block's
-bytes beyond the current round's use are held but not booked (`ExecStats.arena_bytes`).
+**The arena.** Staging buffers are cut from one block of memory per device (`arena`), allocated
+once at the start of a switch to its largest round's staging, reused from round to round, and
+handed back at the switch's end: between switches the memory is training's. No round allocates
+its buffers. The account below books each round's staged bytes as the round's buffers; the
+block's bytes beyond the current round's use are held but not booked (`ExecStats.arena_bytes`).
 
 **CUDA.** The copies run on a side stream of the device: the transport's batch (one
 ``batch_isend_irecv`` per round, `comm.p2p`) is posted after the stream that packed has been
@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from shardshift.comm.p2p import Deadline, PeerOp, Transport
-from shardshift.compat import can_swap_storages, swap_storages
+from shardshift.compat import can_swap_storages, foreach_copy, swap_storages
 from shardshift.reshard.plan import Segment, TransitionPlan
 from shardshift.reshard.schedule import Message, SwitchSchedule, align
 
@@ -301,7 +301,7 @@ class ExecStats:
     page_faults: int = 0  # pages the kernel had to map for this process while it ran (fresh memory, first touched)
     pieces: int = 0  # segment ends handled (`SwitchProgram.pieces`)
     host_calls: int = 0  # calls that did work: copies, staging allocations, posts and waits, hand-overs
-    arena_bytes: int = 0  # what the device's arena holds after the switch (held beyond the account)
+    arena_bytes: int = 0  # the arena's block during the switch (its largest round's staging)
 
 
 class _Account:
@@ -377,12 +377,6 @@ def arena(device: torch.device) -> Arena:
     return _ARENAS.by_device.setdefault(device, Arena(device))
 
 
-def release_arena() -> None:
-    """Hand this thread's arenas back."""
-    for each in getattr(_ARENAS, "by_device", {}).values():
-        each.release()
-
-
 class _Streams:
     """Where the executor's copies run: on CUDA a side stream, ordered against the device's
     current stream (which the transport's batch and the allocator follow); on the CPU inline."""
@@ -414,13 +408,12 @@ def run_program(program: SwitchProgram, source: Source, sink: Sink, transport: T
     on the same group), every transfer done by `deadline`."""
     start, start_cpu, start_faults = time.perf_counter(), time.process_time(), _page_faults()
     buffers = arena(device)
-    allocations = buffers.allocations
     buffers.reserve(max((step.staging for step in program.rounds), default=0))
+    allocations = buffers.allocations  # the block, once for the switch; what a round allocates beyond it counts
     try:
         stats = _run(program, source, sink, transport, deadline, buffers)
-    except BaseException:
-        buffers.release()
-        raise
+    finally:
+        buffers.release()  # between switches the memory is training's
     return dataclasses.replace(stats, seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - start_cpu,
                                page_faults=_page_faults() - start_faults,
                                host_calls=stats.host_calls + buffers.allocations - allocations)
@@ -469,7 +462,7 @@ def _run(program: SwitchProgram, source: Source, sink: Sink, transport: Transpor
             copied += nbytes
         if targets:
             with streams.copies():
-                torch._foreach_copy_(targets, origins)
+                foreach_copy(targets, origins)
             calls.n += 1
         del targets, origins
         clock.lap("copy")
@@ -612,7 +605,7 @@ def _sends(step: RoundWork, index: int, source: _OldPieces, buffers: Arena, stre
         buf, packed = _staged(m, buffers)
         outbox.append(buf)
         with streams.copies():
-            torch._foreach_copy_(packed, views)
+            foreach_copy(packed, views)
         streams.main_waits()
         calls.n += 1
         clock.lap("pack")
@@ -644,6 +637,6 @@ def _unpack_as_received(step: RoundWork, inbox: list[tuple[torch.Tensor, list[to
             continue
         streams.side_waits()
         with streams.copies():
-            torch._foreach_copy_([new_local[part.tensor][part.where] for part in m.parts], views)
+            foreach_copy([new_local[part.tensor][part.where] for part in m.parts], views)
         calls.n += 1
         clock.lap("unpack")

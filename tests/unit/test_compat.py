@@ -27,7 +27,7 @@ PRIVATE_NAMES = {
     "_swap_data_ptr_", "_functional_collectives", "_get_fsdp_state", "_fsdp_param_groups", "_training_state",
     "_fully_shard", "_fsdp_common", "_clear_sharding_prop_cache", "_redistribute", "_op_dispatcher",
     "_propagate_tensor_meta_cached", "_world", "group_count", "_register_backend", "_set_default_backend",
-    "_StridedShard", "_dynamo", "recompile_limit", "lookup_backend",
+    "_StridedShard", "_dynamo", "recompile_limit", "lookup_backend", "_foreach_copy_",
 }
 
 
@@ -164,6 +164,16 @@ def test_the_recompile_limit_is_raised():
         assert torch._dynamo.config.recompile_limit == before + 5, "a lower limit must leave a higher one"
     finally:
         torch._dynamo.config.recompile_limit = before
+
+
+def test_foreach_copy_copies_each_pair_across_dtypes_and_strides():
+    base = torch.arange(24.0).reshape(4, 6)
+    targets = [torch.empty(2, 3), torch.empty(4, dtype=torch.float64), torch.empty(0)]
+    sources = [base[1:3, ::2], base[0, :4].double(), torch.empty(0)]
+    compat.foreach_copy(targets, sources)
+    for target, source in zip(targets, sources):
+        assert torch.equal(target, source), _broken("foreach_copy", "torch._foreach_copy_",
+                                                    "copy the pairs one by one with Tensor.copy_")
 
 
 def test_compile_backends_are_found_by_name():

@@ -335,7 +335,11 @@ def switch_result() -> dict:
                 "extra_mem_bytes": 3, "state_mismatches": 0, "step_after_seconds": 0.3, "loss_after": 4.0,
                 "dcp_over_switch": dcp / switch, "restart_over_switch": restart and restart / switch,
                 "switch_over_limit": switch / limit, "predicted_over_switch": None,
-                "predicted_over_move": None}  # fmt: skip
+                "predicted_over_move": None, "floor_seconds": limit * 1.2, "copy_floor_seconds": limit * 0.2,
+                "switch_over_floor": switch / (limit * 1.2), "pieces_per_rank": 40, "host_calls_per_rank": 12,
+                "host_calls_before_per_rank": 50,
+                "time_split": {"plan": 0.1, "open": 0.0, "pack": 0.01, "wire": switch / 3, "copy": 0.01, "unpack": 0.01,
+                               "close": 0.0, "rebuild": 0.02}}  # fmt: skip
 
     return {"model": "test", "params": 1000, "nproc": 4, "device": "cpu", "dtype": "float32", "global_batch": 8,
             "budget": 1 << 28, "geomean": {},

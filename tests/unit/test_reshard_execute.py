@@ -233,9 +233,9 @@ def test_the_pages_a_switch_first_touches_are_counted():
 
 
 def test_a_round_s_work_is_a_few_calls_per_peer_and_its_buffers_come_from_one_arena():
-    """Run the same switch twice on each rank's thread: the second takes every staging buffer from
-    the arena the first left (no allocation), and the calls made are those the program and the
-    schedule's count predict: a post, a wait and at most one copy per message, one call for the
+    """Run the same switch twice on each rank's thread: each allocates one block for its staging
+    buffers, at its start, and hands it back at its end; the calls made are those the program and
+    the schedule's count predict: a post, a wait and at most one copy per message, one call for the
     local copies and one per hand-over; fewer than the pieces."""
     space = state_space(CFG, torch.float32)
     fulls = [_full(t, i) for i, t in enumerate(space.tensors)]
@@ -249,12 +249,13 @@ def test_a_round_s_work_is_a_few_calls_per_peer_and_its_buffers_come_from_one_ar
             source = _Source({t: _slice(fulls[t], box).clone() for t, box in enumerate(plan.old_boxes[rank]) if box})
             before = arena(torch.device("cpu")).allocations
             sink, stats = _run(schedule, rank, group, source)
-            runs.append((sink, stats, arena(torch.device("cpu")).allocations - before))
+            runs.append((sink, stats, arena(torch.device("cpu")).allocations - before,
+                         arena(torch.device("cpu")).nbytes))
         return compile_program(schedule, rank), runs
 
     for rank, (program, runs) in enumerate(run_ranks(4, body)):
-        (_, first, _), (sink, second, allocated) = runs
-        assert allocated == 0 and second.arena_bytes == first.arena_bytes
+        (_, first, _, _), (sink, second, allocated, held) = runs
+        assert allocated == 1 and held == 0 and second.arena_bytes == first.arena_bytes
         assert second.arena_bytes >= max(step.staging for step in program.rounds) > 0
         assert second.host_calls == program.host_calls == counts.after[rank] < counts.before[rank]
         assert second.pieces == program.pieces == counts.pieces[rank]
