@@ -63,8 +63,6 @@ back to the kernel (``predicted_fresh_bytes``, ``predicted_unmapped_bytes``).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import gc
@@ -96,6 +94,7 @@ from shardshift.runtime import run_in_group
 from shardshift.simulate.host_memory import PageWork
 from shardshift.train import checkpoint
 from shardshift.train.config import TrainConfig
+from shardshift.train.memory import return_free_memory
 from shardshift.train.state import local
 from shardshift.train.switch import SwitchReport
 from shardshift.train.trainer import Trainer
@@ -322,7 +321,7 @@ def _transition(trainer: Trainer, after: Layout, corpus, root: Path, opts: Switc
     path, seal_s = _timed(lambda: checkpoint.publish(trainer, partial), device)
     restart, restart_error = None, None
     if opts.restart:
-        _return_free_memory()
+        return_free_memory()
         if rank == 0:
             try:
                 restart = restart_job(trainer.cfg.with_layout(after), path, trainer.progress.step,
@@ -389,16 +388,6 @@ def _timed(fn, device: torch.device):
     result = fn()
     dist.barrier()
     return result, max_over_ranks(time.perf_counter() - start, device)
-
-
-def _return_free_memory() -> None:
-    """Collect garbage and ask glibc, where it is the allocator, to give free heap pages back."""
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc is not None:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
 
 
 def _dcp_reference(trainer: Trainer, after: Layout, path: Path, corpus):
