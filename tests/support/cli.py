@@ -23,6 +23,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from support.dist import context
 
 
+def forbid_processes(monkeypatch) -> None:
+    """Run as a user's shell would: not as a rank of a job; and fail if any process is started."""
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("bad input reached the launcher: a process would have been started")
+
+    monkeypatch.setattr("shardshift.launch.start_ranks", no_process)
+    monkeypatch.setattr("shardshift.elastic.coordinator.launch_elastic", no_process)
+
+
 def _run(argv: list[str], env: dict[str, str], cwd: str | None, out: str, err: str) -> None:
     """In the fork: a session of its own, SIGTERM when the fork server goes, then the command."""
     from shardshift.launch import become_command, die_with_parent

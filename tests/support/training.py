@@ -15,6 +15,17 @@ from shardshift.train.state import local
 ATOL = 1e-12
 
 
+def materialised(spec, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
+    """`spec`'s whole model on the CPU, filled as a trainer fills it (`init_value`, `init_buffers`),
+    in eval mode."""
+    model = spec.build().to(dtype)
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            param.copy_(spec.init_value(fqn, param.shape, param.dtype, seed))
+    spec.init_buffers(model)
+    return model.eval()
+
+
 def full_parameters(trainer) -> dict[str, torch.Tensor]:
     """Every parameter this rank's stage holds, gathered whole (a collective over the stage)."""
     out = {}

@@ -13,19 +13,12 @@ import pytest
 
 from shardshift.cli.main import main
 from support import EXAMPLE_MODEL
+from support.cli import forbid_processes
 
 
 @pytest.fixture(autouse=True)
 def _not_a_worker(monkeypatch):
-    """Run as a user's shell would: not as a rank of a job; and fail if any process is started."""
-    for key in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
-
-    def no_process(*args, **kwargs):
-        raise AssertionError("bad input reached the launcher: a process would have been started")
-
-    monkeypatch.setattr("shardshift.launch.start_ranks", no_process)
-    monkeypatch.setattr("shardshift.elastic.coordinator.launch_elastic", no_process)
+    forbid_processes(monkeypatch)
 
 
 @pytest.mark.parametrize(

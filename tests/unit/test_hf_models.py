@@ -17,33 +17,17 @@ from shardshift.cli.main import main
 from shardshift.layout import Layout
 from shardshift.models import model_spec, recorded_spec
 from shardshift.models.hf.config import ARCHITECTURES, param_shapes
-from shardshift.models.hf.spec import HFSpec
 from shardshift.models.space import state_space
+from support.cli import forbid_processes
 from support.hf import hf_model, save_hf_model
+from support.training import materialised
 
 KINDS = ["qwen2", "qwen3", "mistral", "llama"]
 
 
 @pytest.fixture(autouse=True)
 def _not_a_worker(monkeypatch):
-    """Run as a user's shell would, and fail if any process is started."""
-    for key in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
-
-    def no_process(*args, **kwargs):
-        raise AssertionError("bad input reached the launcher: a process would have been started")
-
-    monkeypatch.setattr("shardshift.launch.start_ranks", no_process)
-
-
-def _materialised(spec: HFSpec, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
-    """`spec`'s whole model on the CPU, filled as a trainer fills it: `init_value`, `init_buffers`."""
-    model = spec.build().to(dtype)
-    with torch.no_grad():
-        for fqn, param in model.named_parameters():
-            param.copy_(spec.init_value(fqn, param.shape, param.dtype, seed))
-    spec.init_buffers(model)
-    return model
+    forbid_processes(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -69,7 +53,7 @@ def test_the_model_computes_what_transformers_computes(kind, tmp_path):
 
     spec = model_spec(save_hf_model(kind, tmp_path))
     assert spec.weights, "the weights saved by transformers are read"
-    ours = _materialised(spec)
+    ours = materialised(spec)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     ids = torch.randint(0, 256, (3, spec.seq_len), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

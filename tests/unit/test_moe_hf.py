@@ -31,7 +31,9 @@ from shardshift.models.hf.moe import DEFAULTS, HFMoESpec
 from shardshift.models.moe.model import balance_terms
 from shardshift.models.moe.spec import MoESpec
 from shardshift.models.space import state_space
+from support.cli import forbid_processes
 from support.hf import hf_model, load_moe, moe_in_float64, save_hf_model
+from support.training import materialised
 
 transformers = pytest.importorskip("transformers")
 KINDS = ["qwen3_moe", "mixtral"]
@@ -40,24 +42,7 @@ RTOL = 1e-9
 
 @pytest.fixture(autouse=True)
 def _not_a_worker(monkeypatch):
-    """Run as a user's shell would, and fail if any process is started."""
-    for key in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
-
-    def no_process(*args, **kwargs):
-        raise AssertionError("bad input reached the launcher: a process would have been started")
-
-    monkeypatch.setattr("shardshift.launch.start_ranks", no_process)
-
-
-def _materialised(spec, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
-    """`spec`'s whole model on the CPU, filled as a trainer fills it: `init_value`, `init_buffers`."""
-    model = spec.build().to(dtype)
-    with torch.no_grad():
-        for fqn, param in model.named_parameters():
-            param.copy_(spec.init_value(fqn, param.shape, param.dtype, seed))
-    spec.init_buffers(model)
-    return model.eval()
+    forbid_processes(monkeypatch)
 
 
 def _ids(spec, batch: int = 3, seed: int = 1) -> torch.Tensor:
@@ -148,7 +133,7 @@ def test_the_model_computes_what_transformers_computes(kind, tmp_path, monkeypat
     transformers' three float32 computations are float64 (1e-7 before: module docstring)."""
     spec = model_spec(save_hf_model(kind, tmp_path, seed=2))
     assert spec.weights, "the weights saved by transformers are read"
-    ours = _materialised(spec)
+    ours = materialised(spec)
     theirs = load_moe(tmp_path)
     ids = _ids(spec)
     with torch.no_grad():
@@ -164,7 +149,7 @@ def test_the_model_computes_what_transformers_computes(kind, tmp_path, monkeypat
     # Not vacuous: routing matters (the second expert's weight dropped changes the logits).
     one = dataclasses.replace(spec, config=dataclasses.replace(spec.config, top_k=1))
     with torch.no_grad():
-        assert (_materialised(one)(ids)[0] - logits).abs().max() > 1e-4
+        assert (materialised(one)(ids)[0] - logits).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -174,7 +159,7 @@ def test_the_balance_term_of_each_sequence_is_transformers(kind, tmp_path):
     spec = model_spec(save_hf_model(kind, tmp_path, seed=1))
     ids = _ids(spec, batch=2)
     with torch.no_grad():
-        _, stats = _materialised(spec)(ids)
+        _, stats = materialised(spec)(ids)
         routed = load_moe(tmp_path)(ids, output_router_logits=True)
     ours = balance_terms(stats, spec.config.n_layers, spec.seq_len)
     modeling = __import__(f"transformers.models.{kind}.modeling_{kind}", fromlist=["load_balancing_loss_func"])
@@ -208,7 +193,7 @@ def test_weights_fused_as_transformers_modules_hold_them_load_alike(tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_hf_model_gives_back_what_save_pretrained_wrote(kind, tmp_path):
     spec = model_spec(save_hf_model(kind, tmp_path, seed=5))
-    ours = _materialised(spec)
+    ours = materialised(spec)
     written = spec.hf_state_dict(dict(ours.state_dict()))
     from safetensors import safe_open
 
@@ -229,7 +214,7 @@ def test_a_built_in_model_is_read_by_from_pretrained(qk_norm, architecture, tmp_
                                                      router_aux_loss_coef=0.01))
     config = spec.hf_config()
     assert config["architectures"] == [architecture]
-    ours = _materialised(spec, seed=6)
+    ours = materialised(spec, seed=6)
     (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "float64"}))
     save_file(spec.hf_state_dict(dict(ours.state_dict())), str(tmp_path / "model.safetensors"))
     theirs = load_moe(tmp_path)
