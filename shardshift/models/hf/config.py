@@ -61,6 +61,24 @@ def config_size(fields: dict[str, Any], key: str, where: str, default: int | Non
     return value
 
 
+def config_head_dim(fields: dict[str, Any], hidden: int, heads: int, where: str) -> int:
+    """config.json `fields`' head_dim, or hidden_size / num_attention_heads where it gives none;
+    ValueError naming `where` when that does not divide."""
+    if fields.get("head_dim") is not None:
+        return config_size(fields, "head_dim", where)
+    if hidden % heads:
+        raise ValueError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                         f"and there is no head_dim; give head_dim or a divisible width")
+    return hidden // heads
+
+
+def check_byte_vocab(vocab: int, where: str) -> None:
+    """ValueError naming `where` unless a vocabulary of `vocab` holds the byte-level token ids."""
+    if vocab < BYTE_VOCAB:
+        raise ValueError(f"{where}: vocab_size={vocab} is below {BYTE_VOCAB}: training reads bytes (token ids "
+                         f"0..255); give a model with vocab_size >= {BYTE_VOCAB}")
+
+
 def require_transformers(name: str, modules: tuple[str, ...] = ("transformers", "safetensors")) -> None:
     """ValueError naming the extra to install, unless `modules` can be imported. Only looked up (not
     imported): importing transformers' models costs seconds."""
@@ -103,17 +121,9 @@ class HFConfig:
             return config_size(fields, key, where, default)
 
         hidden, heads = size("hidden_size"), size("num_attention_heads")
-        if fields.get("head_dim") is not None:
-            head_dim = size("head_dim")
-        elif hidden % heads:
-            raise ValueError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
-                             f"and there is no head_dim; give head_dim or a divisible width")
-        else:
-            head_dim = hidden // heads
+        head_dim = config_head_dim(fields, hidden, heads, where)
         vocab = size("vocab_size")
-        if vocab < BYTE_VOCAB:
-            raise ValueError(f"{where}: vocab_size={vocab} is below {BYTE_VOCAB}: training reads bytes (token ids "
-                             f"0..255); give a model with vocab_size >= {BYTE_VOCAB}")
+        check_byte_vocab(vocab, where)
         kv = size("num_key_value_heads", heads)
         if heads % kv:
             raise ValueError(f"{where}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from shardshift.models.hf.config import (
-    BYTE_VOCAB,
     CONFIG,
     INSTALL,
     MAX_SEQ_LEN,
+    check_byte_vocab,
+    config_head_dim,
     config_size,
     safetensors_header,
     weight_files,
@@ -65,16 +66,8 @@ def moe_config(fields: dict[str, Any], where: str) -> MoEConfig:
     top_k = size("num_experts_per_tok")
     width = size("moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size")
     seq_len = min(size("max_position_embeddings", MAX_SEQ_LEN), MAX_SEQ_LEN)
-    if fields.get("head_dim") is not None:
-        head_dim = size("head_dim")
-    elif hidden % heads:
-        raise ValueError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads} and there "
-                         f"is no head_dim; give head_dim or a divisible width")
-    else:
-        head_dim = hidden // heads
-    if vocab < BYTE_VOCAB:
-        raise ValueError(f"{where}: vocab_size={vocab} is below {BYTE_VOCAB}: training reads bytes (token ids "
-                         f"0..255); give a model with vocab_size >= {BYTE_VOCAB}")
+    head_dim = config_head_dim(fields, hidden, heads, where)
+    check_byte_vocab(vocab, where)
     if heads % kv:
         raise ValueError(f"{where}: num_key_value_heads={kv} does not divide num_attention_heads={heads}")
     if head_dim % 2:
