@@ -203,8 +203,8 @@ class ModelSpec(abc.ABC):
 
 class SizedSpec(ModelSpec):
     """A model that is its name and a frozen dataclass of sizes (`config`), as the built-in families
-    are: the sizes the engine asks for are the configuration's (a GPT's hidden size is its
-    ``d_model``), its JSON form the dataclass's fields."""
+    and ``hf:`` are: the sizes the engine asks for are the configuration's (a GPT's hidden size is
+    its ``d_model``), its JSON form the dataclass's fields (``hf:`` keeps its config.json's)."""
 
     config: Any
 

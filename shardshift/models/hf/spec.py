@@ -41,14 +41,14 @@ from shardshift.models.hf.config import (
 )
 from shardshift.models.hf.moe import HFMoESpec
 from shardshift.models.moe.hf import MOE_ARCHITECTURES
-from shardshift.models.spec import TP_STYLES, ModelSpec, PipelineSplit, check_divides, check_stages
+from shardshift.models.spec import TP_STYLES, PipelineSplit, SizedSpec, check_divides, check_stages
 
 PREFIX = "hf:"
 BACKBONE = "model"  # the causal LM's attribute holding the backbone, whose names the config's plan uses
 
 
 @dataclasses.dataclass(frozen=True)
-class HFSpec(ModelSpec):
+class HFSpec(SizedSpec):
     """A decoder of a supported Hugging Face architecture (`config.ARCHITECTURES`)."""
 
     name: str  # "hf:" and the directory's absolute path
@@ -83,18 +83,6 @@ class HFSpec(ModelSpec):
         return cls(name, HFConfig.from_fields(dict(config), f"{name}: the recorded {CONFIG}"))
 
     # ---- what the model is ---------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.config.seq_len
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def pipeline(self) -> PipelineSplit:
